@@ -1,0 +1,122 @@
+"""Paged attention: the per-step metadata, the forward context that carries it, and the
+backend interface with its plain torch reference implementation.
+
+The runner builds one `AttentionMetadata` per step and sets it around the forward with
+`attention_context(...)`; every layer reads it from there. Backends receive only tensors and
+that metadata, never requests or the scheduler.
+
+KV cache layout per layer: `[2, num_blocks, block_size, num_kv_heads, head_dim]`; position p
+of a sequence lives at slot `block_table[p // block_size] * block_size + p % block_size`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything a backend needs for one step. Tensors live on the model's device.
+
+    Sequence b's query tokens are `query_start_loc[b]:query_start_loc[b+1]`; they are the
+    last `q_len` positions of its `seq_lens[b]` positions. `max_query_len` sizes kernel
+    launches: a captured graph freezes it (see capture-bound.md).
+    """
+
+    num_tokens: int
+    num_seqs: int
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
+    slot_mapping: torch.Tensor  # [num_tokens] int64; padding rows point into block 0
+    max_query_len: int
+    max_seq_len: int
+
+
+_current: list[AttentionMetadata] = []
+
+
+@contextlib.contextmanager
+def attention_context(meta: AttentionMetadata) -> Iterator[None]:
+    _current.append(meta)
+    try:
+        yield
+    finally:
+        _current.pop()
+
+
+def current_metadata() -> AttentionMetadata:
+    if not _current:
+        raise RuntimeError("attention called outside attention_context(...)")
+    return _current[-1]
+
+
+class AttentionBackend(Protocol):
+    """Writes this step's K/V into the cache, then attends each query over its sequence."""
+
+    name: str
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor: ...  # [T, Hq, D]
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    _, num_blocks, block_size, hkv, d = kv_cache.shape
+    flat = kv_cache.view(2, num_blocks * block_size, hkv, d)
+    flat[0].index_copy_(0, slots, k.to(kv_cache.dtype))
+    flat[1].index_copy_(0, slots, v.to(kv_cache.dtype))
+
+
+class TorchAttention:
+    """Reference backend in plain torch: gathers each sequence's blocks into a padded batch
+    and runs masked softmax attention in fp32. Works on any device and any batch; slow."""
+
+    name = "torch"
+
+    def forward(self, q, k, v, kv_cache, meta, scale):
+        store_kv(k, v, kv_cache, meta.slot_mapping[: meta.num_tokens])
+        b, t = meta.num_seqs, meta.num_tokens
+        hq, d = q.shape[1], q.shape[2]
+        block_size, hkv = kv_cache.shape[2], kv_cache.shape[3]
+        num_ctx_blocks = -(-meta.max_seq_len // block_size)
+        tables = meta.block_tables[:b, :num_ctx_blocks].long()
+        keys = kv_cache[0][tables].reshape(b, num_ctx_blocks * block_size, hkv, d)
+        values = kv_cache[1][tables].reshape(b, num_ctx_blocks * block_size, hkv, d)
+
+        starts = meta.query_start_loc[:b].long()
+        q_lens = (meta.query_start_loc[1 : b + 1] - meta.query_start_loc[:b]).long()
+        steps = torch.arange(meta.max_query_len, device=q.device)
+        q_valid = steps[None, :] < q_lens[:, None]  # [B, Mq]
+        token_idx = torch.where(q_valid, starts[:, None] + steps[None, :], t)  # t = dummy row
+        q_pad = torch.cat([q, q.new_zeros(1, hq, d)])[token_idx]  # [B, Mq, Hq, D]
+        q_pos = meta.seq_lens[:b, None].long() - q_lens[:, None] + steps[None, :]
+        key_pos = torch.arange(keys.shape[1], device=q.device)
+        allowed = key_pos[None, None, :] <= q_pos[:, :, None]  # causal, implies < seq_len
+
+        group = hq // hkv
+        qg = q_pad.float().view(b, -1, hkv, group, d)
+        scores = torch.einsum("bmhgd,bnhd->bhgmn", qg, keys.float()) * scale
+        scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out = torch.einsum("bhgmn,bnhd->bmhgd", probs, values.float()).reshape(b, -1, hq, d)
+        result = q.new_zeros(t + 1, hq, d)
+        result[token_idx.reshape(-1)] = out.reshape(-1, hq, d).to(q.dtype)
+        return result[:t]
+
+
+def make_backend(name: str) -> AttentionBackend:
+    if name == "torch":
+        return TorchAttention()
+    raise ValueError(f"unknown attention backend {name!r}; available: 'torch'")

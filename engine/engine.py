@@ -1,0 +1,248 @@
+"""The engine: the public, synchronous entry point that ties tokenizer, scheduler, block
+manager and runner together.
+
+`step()` reads as its intent: schedule, run, process outputs. No asyncio, no HTTP, no metrics
+library: the service layer drives `step()` from its own thread and turns the returned events
+into streams and metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine.attention import make_backend
+from engine.block_manager import BlockManager
+from engine.checkpoint_writer import UNTRAINED_NOTICE, default_model_dir
+from engine.config import ConfigError, EngineConfig, SamplingParams, VoiceReference
+from engine.loader import load_model, resolve_checkpoint
+from engine.prompt import AudioRow, build_prompt
+from engine.request import FinishReason, Request
+from engine.runner import ModelRunner
+from engine.scheduler import Scheduler
+from engine.tokenizer import HiggsTokenizer
+
+log = logging.getLogger("clonecast.engine")
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one step produced for one request: its new delayed audio rows, and on the last
+    event the finish reason and every row it generated."""
+
+    request_id: str
+    new_rows: list[AudioRow]
+    finished: bool = False
+    finish_reason: str | None = None
+    rows: list[AudioRow] | None = None  # all rows, on the finishing event only
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    request_id: str
+    rows: list[AudioRow]
+    finish_reason: str
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_free_kv_blocks: int
+    num_kv_blocks: int
+    num_prefill_tokens_computed: int
+    num_prefix_cached_tokens: int
+    num_preemptions: int
+
+
+@dataclass
+class _Counters:
+    preemptions: int = 0
+    rows: int = 0
+    steps: int = 0
+    seconds: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+class Engine:
+    """Higgs Audio v3 generation for many requests at once.
+
+    >>> engine = Engine.from_pretrained()          # the embedded (untrained) default model
+    >>> engine.add_request("r1", "Hello there.", params=SamplingParams(seed=1))
+    >>> while engine.has_unfinished():
+    ...     for event in engine.step(): ...
+    """
+
+    def __init__(self, checkpoint: Path, config: EngineConfig, *, is_default: bool = False):
+        self.config = config
+        self.checkpoint = checkpoint
+        self.is_default_model = is_default
+        device = torch.device(config.device)
+        dtype = _resolve_dtype(config.dtype, device)
+        self.tokenizer = HiggsTokenizer(checkpoint)
+        self.model, self.codec_keys = load_model(
+            checkpoint, make_backend(config.attention_backend), device, dtype
+        )
+        if config.max_model_len > self.model.config.max_position_embeddings:
+            raise ConfigError(
+                f"max_model_len {config.max_model_len} exceeds the model's "
+                f"max_position_embeddings {self.model.config.max_position_embeddings}"
+            )
+        num_blocks = config.num_kv_blocks or _auto_num_blocks(config, self.model, device)
+        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.blocks)
+        self.runner = ModelRunner(self.model, config, num_blocks)
+        self._counters = _Counters()
+        if is_default:
+            log.warning(UNTRAINED_NOTICE)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model: str | os.PathLike | None = None,
+        config: EngineConfig | None = None,
+        *,
+        cache_dir: Path | None = None,
+    ) -> Engine:
+        """From a checkpoint directory or hub id; None means the embedded default model."""
+        config = config or EngineConfig()
+        if model is None:
+            return cls(default_model_dir(cache_dir), config, is_default=True)
+        return cls(resolve_checkpoint(model), config)
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        text: str,
+        *,
+        reference: VoiceReference | None = None,
+        params: SamplingParams | None = None,
+    ) -> None:
+        """Queues a request. Raises ConfigError for a bad input (nothing is queued then)."""
+        params = params or SamplingParams()
+        prompt = build_prompt(self.tokenizer, self.tokenizer.special, text, reference)
+        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8)) >> 1
+        self.scheduler.add(Request(request_id, prompt, params, seed))
+
+    def abort(self, request_id: str) -> bool:
+        """Stops a request and frees its KV blocks and slot; False if it is not known."""
+        request = self.scheduler.requests.get(request_id)
+        if request is None:
+            return False
+        self._finish(request, FinishReason.ABORT)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def rows(self, request_id: str) -> list[AudioRow]:
+        """Rows generated so far by an unfinished request."""
+        return list(self.scheduler.requests[request_id].output_rows)
+
+    # -- the step ----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        self._counters.preemptions += len(sched.preempted)
+        if not sched.chunks:
+            return []
+        for chunk in sched.chunks:
+            if not self.runner.has_request(chunk.request):  # newly admitted: takes its slot
+                self.runner.add_request(chunk.request)
+        sampled = self.runner.execute(sched)
+        for chunk in sched.chunks:
+            self.scheduler.on_chunk_done(chunk)
+        outputs = self._process(sampled)
+        self._counters.steps += 1
+        self._counters.seconds += time.perf_counter() - t0
+        return outputs
+
+    def _process(self, sampled) -> list[RequestOutput]:
+        outputs = []
+        now = time.monotonic()
+        for request, codes, done in zip(sampled.requests, sampled.codes, sampled.done, strict=True):
+            row = tuple(int(c) for c in codes)
+            request.output_rows.append(row)
+            if request.first_row_time is None:
+                request.first_row_time = now
+            reason = None
+            if done:
+                reason = FinishReason.EOS
+            elif len(request.output_rows) >= request.params.max_rows:
+                reason = FinishReason.LENGTH
+            if reason is None:
+                outputs.append(RequestOutput(request.request_id, [row]))
+                continue
+            self._finish(request, reason)
+            outputs.append(
+                RequestOutput(request.request_id, [row], True, reason.value, request.output_rows)
+            )
+        self._counters.rows += len(sampled.requests)
+        return outputs
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        self.scheduler.finish(request, reason)
+        self.runner.remove_request(request)
+
+    # -- conveniences ------------------------------------------------------------------------
+
+    def generate(
+        self,
+        texts: Sequence[str],
+        *,
+        references: Sequence[VoiceReference | None] | None = None,
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[GenerationResult]:
+        """Runs every text to completion (batched) and returns rows in input order."""
+        refs = list(references) if references is not None else [None] * len(texts)
+        plist = list(params) if isinstance(params, Sequence) else [params] * len(texts)
+        if len(refs) != len(texts) or len(plist) != len(texts):
+            raise ConfigError("texts, references and params must have the same length")
+        ids = [f"generate-{id(self)}-{self._counters.steps}-{i}" for i in range(len(texts))]
+        for rid, text, ref, p in zip(ids, texts, refs, plist, strict=True):
+            self.add_request(rid, text, reference=ref, params=p)
+        results: dict[str, GenerationResult] = {}
+        while len(results) < len(ids):
+            for out in self.step():
+                if out.finished and out.request_id in ids:
+                    results[out.request_id] = GenerationResult(
+                        out.request_id, list(out.rows or []), str(out.finish_reason)
+                    )
+        return [results[rid] for rid in ids]
+
+    @property
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_free_kv_blocks=self.blocks.num_free_blocks,
+            num_kv_blocks=self.blocks.num_usable_blocks,
+            num_prefill_tokens_computed=self.scheduler.num_prefill_tokens_computed,
+            num_prefix_cached_tokens=self.scheduler.num_prefix_cached_tokens,
+            num_preemptions=self._counters.preemptions,
+        )
+
+
+def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def _auto_num_blocks(config: EngineConfig, model, device: torch.device) -> int:
+    cfg = model.config
+    elem = model.embed_tokens.weight.element_size()
+    block_bytes = cfg.num_layers * 2 * config.block_size * cfg.num_kv_heads * cfg.head_dim * elem
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return max(2, int(free * config.kv_cache_memory_fraction) // block_bytes)
+    return 1 + config.max_num_seqs * config.max_blocks_per_seq

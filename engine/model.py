@@ -1,0 +1,142 @@
+"""The Higgs v3 network: a Qwen3 decoder over packed tokens with a paged KV cache, the fused
+8x1026 audio table for the summed input embedding, and the audio head tied to that table.
+
+Owns parameters and the forward pass only: no sampling, no scheduling, no request state.
+Attention goes through the backend chosen at construction and reads the step's metadata from
+`attention_context`. Fused QKV and gate/up projections are built at load time.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionBackend, current_metadata
+from engine.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Default RoPE (rotate-half layout), cos/sin tables precomputed for every position."""
+
+    def __init__(self, head_dim: int, theta: float, max_positions: int):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        self.register_buffer("cos", freqs.cos(), persistent=False)  # [P, D/2]
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # x: [T, H, D]; computed in fp32 and rounded once, as transformers does.
+        cos = self.cos[positions][:, None, :]
+        sin = self.sin[positions][:, None, :]
+        cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
+        xf = x.float()
+        x1, x2 = xf.chunk(2, dim=-1)
+        rotated = torch.cat([-x2, x1], dim=-1)
+        return (xf * cos + rotated * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        )
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.backend = backend
+        self.scale = cfg.head_dim**-0.5
+
+    def forward(self, x, positions, kv_cache, rope: RotaryEmbedding):
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = rope(self.q_norm(q.view(t, self.num_heads, self.head_dim)), positions)
+        k = rope(self.k_norm(k.view(t, self.num_kv_heads, self.head_dim)), positions)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        out = self.backend.forward(q, k, v, kv_cache, current_metadata(), self.scale)
+        return self.o_proj(out.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend):
+        super().__init__()
+        self.self_attn = Attention(cfg, backend)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, positions, kv_cache, rope):
+        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, rope)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class HiggsModel(nn.Module):
+    """`forward(embeds [T, H], positions [T], kv_caches) -> hidden [T, H]` (after the final
+    norm); `embed(...)` builds the input embeddings; `audio_logits(hidden)` -> `[R, 8, 1026]`."""
+
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.audio_embed = nn.Embedding(cfg.num_codebooks * cfg.codebook_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
+        offsets = torch.arange(cfg.num_codebooks) * cfg.codebook_size
+        self.register_buffer("codebook_offsets", offsets, persistent=False)  # [8]
+
+    def embed_audio(self, rows: torch.Tensor) -> torch.Tensor:
+        """Summed audio embedding of rows `[N, 8]`, accumulated in fp32 and rounded once."""
+        vectors = self.audio_embed(rows + self.codebook_offsets)  # [N, 8, H]
+        return vectors.float().sum(1).to(self.audio_embed.weight.dtype)
+
+    def embed(
+        self, token_ids: torch.Tensor, audio_rows: torch.Tensor, is_audio: torch.Tensor
+    ) -> torch.Tensor:
+        """Input embeddings `[T, H]`: the text embedding, or the summed audio embedding of
+        `audio_rows[t]` where `is_audio[t]`."""
+        text = self.embed_tokens(token_ids)
+        audio = self.embed_audio(audio_rows)
+        return torch.where(is_audio[:, None], audio, text)
+
+    def forward(self, embeds, positions, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        x = embeds
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, positions, kv_cache, self.rope)
+        return self.norm(x)
+
+    def audio_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Tied audio head: `hidden [R, H] @ E.T` as fp32 logits `[R, 8, 1026]`."""
+        logits = hidden @ self.audio_embed.weight.t()
+        return logits.float().view(-1, self.config.num_codebooks, self.config.codebook_size)

@@ -1,0 +1,106 @@
+"""Prompt building (spec section 2) and the delay layout of reference codes.
+
+Owns the mapping from (text, optional reference voice) to input positions: a token id per
+position plus, at placeholder positions, the delayed audio row whose summed embedding replaces
+the token's. Knows nothing of tensors, the KV cache or the scheduler; imports no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from engine.config import BOC, EOC, NUM_CODEBOOKS, ConfigError, VoiceReference
+
+AudioRow = tuple[int, ...]  # 8 codes, one per codebook
+
+
+class TextTokenizer(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+
+
+@dataclass(frozen=True)
+class SpecialTokens:
+    """Ids of the added tokens, resolved from the tokenizer at load time."""
+
+    tts: int
+    text: int
+    audio: int
+    ref_audio: int
+    ref_text: int
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """Input positions of a request's prompt.
+
+    `token_ids[i]` is the text token at position i; where `audio_rows[i]` is not None the
+    position is a placeholder whose input is the summed embedding of that delayed row.
+    `prefix_len` counts the positions up to and including `<|text|>`: identical for every
+    request with the same voice and reference text.
+    """
+
+    token_ids: tuple[int, ...]
+    audio_rows: tuple[AudioRow | None, ...]
+    prefix_len: int
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def position_keys(self) -> list[int | tuple[int, AudioRow]]:
+        """Content of each position for prefix hashing: the id, or (id, row) at placeholders."""
+        return [
+            t if row is None else (t, row)
+            for t, row in zip(self.token_ids, self.audio_rows, strict=True)
+        ]
+
+
+def delay_rows(codes: tuple[AudioRow, ...] | list[AudioRow]) -> list[AudioRow]:
+    """Lays out `[T, 8]` frames as `[T + 7, 8]` delayed rows: column c is BOC in rows
+    0..c-1, the codes in rows c..c+T-1, EOC after."""
+    num_frames = len(codes)
+    rows = [[EOC] * NUM_CODEBOOKS for _ in range(num_frames + NUM_CODEBOOKS - 1)]
+    for c in range(NUM_CODEBOOKS):
+        for r in range(c):
+            rows[r][c] = BOC
+        for t in range(num_frames):
+            rows[t + c][c] = codes[t][c]
+    return [tuple(r) for r in rows]
+
+
+def undelay_rows(rows: list[AudioRow]) -> list[AudioRow]:
+    """Inverse of the delay: frame f takes codebook c from row f + c. `n` rows give
+    `max(0, n - 7)` complete frames."""
+    num_frames = max(0, len(rows) - (NUM_CODEBOOKS - 1))
+    return [tuple(rows[f + c][c] for c in range(NUM_CODEBOOKS)) for f in range(num_frames)]
+
+
+def build_prompt(
+    tokenizer: TextTokenizer,
+    special: SpecialTokens,
+    text: str,
+    reference: VoiceReference | None = None,
+) -> Prompt:
+    """plain: `<|tts|><|text|>{text}<|audio|>`; clone:
+    `<|tts|>[<|ref_text|>{ref_text}]<|ref_audio|>[PH x (T_ref + 7)]<|text|>{text}<|audio|>`."""
+    if not text or not text.strip():
+        raise ConfigError("text to speak is empty")
+    ids: list[int] = [special.tts]
+    rows: list[AudioRow | None] = [None]
+    if reference is not None:
+        if reference.text:
+            ref_ids = [special.ref_text, *tokenizer.encode(reference.text)]
+            ids += ref_ids
+            rows += [None] * len(ref_ids)
+        ids.append(special.ref_audio)
+        rows.append(None)
+        delayed = delay_rows(reference.codes)
+        ids += [special.tts] * len(delayed)
+        rows += delayed
+    ids.append(special.text)
+    rows.append(None)
+    prefix_len = len(ids)
+    text_ids = tokenizer.encode(text)
+    ids += [*text_ids, special.audio]
+    rows += [None] * (len(text_ids) + 1)
+    return Prompt(tuple(ids), tuple(rows), prefix_len)

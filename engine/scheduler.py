@@ -1,0 +1,179 @@
+"""Continuous batching: which requests run this step, and how many positions each computes.
+
+Owns the waiting queue, the running list, slots and admission control. Each step mixes decode
+rows of running requests with chunks of prefill under one token budget; when KV blocks run out
+the newest running request is preempted (its blocks freed, recomputed later from its prompt
+and generated rows); new requests wait in the queue until blocks and a slot are free: never
+crash, never drop. Imports no torch.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager, hash_prompt_blocks
+from engine.config import ConfigError, EngineConfig
+from engine.request import FinishReason, Request, RequestStatus
+
+
+@dataclass
+class ScheduledChunk:
+    request: Request
+    start: int  # first position computed this step (= request.num_computed before the step)
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the request's last input, so a row is sampled."""
+        return self.start + self.num_tokens == self.request.num_positions
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+        self.config = config
+        self.blocks = block_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._free_slots = list(range(config.max_num_seqs - 1, -1, -1))
+        self.num_prefill_tokens_computed = 0
+        self.num_prefix_cached_tokens = 0
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ConfigError(f"request id {request.request_id!r} is already in use")
+        longest = len(request.prompt) + request.params.max_rows
+        if longest > self.config.max_model_len:
+            raise ConfigError(
+                f"prompt ({len(request.prompt)} positions) + max_rows ({request.params.max_rows})"
+                f" exceeds max_model_len ({self.config.max_model_len}); shorten the text or "
+                "reference, or lower max_rows"
+            )
+        if self.blocks.blocks_needed(longest) > self.blocks.num_usable_blocks:
+            raise ConfigError(
+                f"one request may need {self.blocks.blocks_needed(longest)} KV blocks but the "
+                f"cache has {self.blocks.num_usable_blocks}; raise num_kv_blocks"
+            )
+        request.block_hashes = hash_prompt_blocks(
+            request.prompt.position_keys(), self.blocks.block_size
+        )
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish(self, request: Request, reason: FinishReason) -> None:
+        """Ends a request (finished or aborted) and releases its blocks and slot."""
+        if request.is_finished:
+            return
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self._release_blocks(request)
+        if request.slot is not None:
+            self._free_slots.append(request.slot)
+            request.slot = None
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        del self.requests[request.request_id]
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step ----------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = min(request.num_pending, budget)
+            need = self.blocks.blocks_needed(request.num_computed + n) - len(request.block_ids)
+            while need > self.blocks.num_free_blocks:
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    return budget
+            request.block_ids += self.blocks.allocate(max(0, need))
+            out.chunks.append(ScheduledChunk(request, request.num_computed, n))
+            budget -= n
+            i += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0:
+            request = self.waiting[0]
+            if request.slot is None and (
+                not self._free_slots or len(self.running) >= self.config.max_num_seqs
+            ):
+                return
+            cached = self._prefix_hit(request)
+            start = len(cached) * self.blocks.block_size
+            n = min(request.num_positions - start, budget)
+            num_new = self.blocks.blocks_needed(start + n) - len(cached)
+            if not self.blocks.can_take(cached, num_new):
+                return  # admission control: wait until blocks free up
+            self.waiting.popleft()
+            self.blocks.share(cached)
+            request.block_ids = cached + self.blocks.allocate(num_new)
+            request.num_computed = start
+            request.num_cached_tokens = start
+            self.num_prefix_cached_tokens += start
+            if request.slot is None:
+                request.slot = self._free_slots.pop()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.chunks.append(ScheduledChunk(request, start, n))
+            budget -= n
+
+    def _prefix_hit(self, request: Request) -> list[int]:
+        cached = self.blocks.match_prefix(request.block_hashes)
+        # The last prompt position must be computed: its hidden state samples the first row.
+        max_blocks = (request.num_positions - 1) // self.blocks.block_size
+        return cached[:max_blocks]
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self._release_blocks(request)
+        request.num_computed = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)  # keeps its slot and sampling state
+
+    def _release_blocks(self, request: Request) -> None:
+        self.blocks.free(request.block_ids)
+        request.block_ids = []
+
+    # -- after the step ----------------------------------------------------------------------
+
+    def on_chunk_done(self, chunk: ScheduledChunk) -> None:
+        """Advances the computed count and publishes newly completed prompt blocks."""
+        request = chunk.request
+        prompt_len = len(request.prompt)
+        prefill = max(0, min(chunk.start + chunk.num_tokens, prompt_len) - chunk.start)
+        self.num_prefill_tokens_computed += prefill
+        request.num_computed = chunk.start + chunk.num_tokens
+        bs = self.blocks.block_size
+        done_blocks = min(request.num_computed, prompt_len) // bs
+        for i in range(chunk.start // bs, done_blocks):
+            self.blocks.register(request.block_ids[i], request.block_hashes[i])

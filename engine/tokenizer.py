@@ -1,0 +1,38 @@
+"""Text tokenization for prompts: the checkpoint's tokenizer plus the ids of the five added
+tokens, resolved at load time (never hard-coded). Text is encoded without special tokens.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from engine.config import ADDED_TOKENS, ConfigError
+from engine.prompt import SpecialTokens
+
+
+class HiggsTokenizer:
+    def __init__(self, path: Path):
+        from transformers import AutoTokenizer
+
+        try:
+            self._tok = AutoTokenizer.from_pretrained(str(path))
+        except Exception as exc:
+            raise ConfigError(f"cannot load the tokenizer from {path}: {exc}") from exc
+        vocab = self._tok.get_vocab()
+        missing = [t for t in ADDED_TOKENS if t not in vocab]
+        if missing:
+            raise ConfigError(
+                f"the tokenizer in {path} lacks the added token(s) {missing}; a Higgs v3 "
+                f"tokenizer defines {list(ADDED_TOKENS)}"
+            )
+        ids = [vocab[t] for t in ADDED_TOKENS]
+        self.special = SpecialTokens(*ids)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids)
+
+    def __len__(self) -> int:
+        return len(self._tok)
