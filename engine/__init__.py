@@ -7,20 +7,30 @@ Public API (everything else in this package is internal):
 - `RequestOutput`, `GenerationResult`, `EngineStats`: outputs.
 - `ConfigError`: every rejected input or checkpoint.
 - `UNTRAINED_NOTICE`: what to show whenever the embedded default model is in use.
+
+Names are imported lazily so that the torch-free bookkeeping modules (config, prompt,
+request, block_manager, scheduler) can be imported without loading torch.
 """
 
-from engine.checkpoint_writer import UNTRAINED_NOTICE
-from engine.config import ConfigError, EngineConfig, SamplingParams, VoiceReference
-from engine.engine import Engine, EngineStats, GenerationResult, RequestOutput
+from importlib import import_module
 
-__all__ = [
-    "UNTRAINED_NOTICE",
-    "ConfigError",
-    "Engine",
-    "EngineConfig",
-    "EngineStats",
-    "GenerationResult",
-    "RequestOutput",
-    "SamplingParams",
-    "VoiceReference",
-]
+_PUBLIC = {
+    "UNTRAINED_NOTICE": "engine.checkpoint_writer",
+    "ConfigError": "engine.config",
+    "EngineConfig": "engine.config",
+    "SamplingParams": "engine.config",
+    "VoiceReference": "engine.config",
+    "Engine": "engine.engine",
+    "EngineStats": "engine.engine",
+    "GenerationResult": "engine.engine",
+    "RequestOutput": "engine.engine",
+}
+
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str):
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    return getattr(import_module(module), name)

@@ -107,7 +107,11 @@ def random_weights(
     """Random tensors under the checkpoint's own key names, deterministic for a seed."""
     g = torch.Generator(device=device).manual_seed(seed)
     h, d = text["hidden_size"], text["head_dim"]
-    nq, nkv, inter = text["num_attention_heads"], text["num_key_value_heads"], text["intermediate_size"]
+    nq, nkv, inter = (
+        text["num_attention_heads"],
+        text["num_key_value_heads"],
+        text["intermediate_size"],
+    )
 
     def normal(*shape: int, std: float) -> torch.Tensor:
         return (torch.randn(*shape, generator=g, device=device) * std).to(dtype)
@@ -157,7 +161,9 @@ def write_checkpoint(
     if text["vocab_size"] < vocab:
         raise ValueError(f"vocab_size {text['vocab_size']} < tokenizer size {vocab}")
     (directory / "config.json").write_text(json.dumps(make_config(text), indent=2))
-    tensors = {k: v.contiguous().cpu() for k, v in random_weights(text, seed, device, dtype).items()}
+    tensors = {
+        k: v.contiguous().cpu() for k, v in random_weights(text, seed, device, dtype).items()
+    }
     _save_shards(directory, tensors, max_shard_bytes)
     return directory
 

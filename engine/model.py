@@ -34,7 +34,9 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, theta: float, max_positions: int):
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        inv_freq = 1.0 / (
+            theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+        )
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         self.register_buffer("cos", freqs.cos(), persistent=False)  # [P, D/2]
         self.register_buffer("sin", freqs.sin(), persistent=False)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from engine.config import BOC, EOC, NUM_CODEBOOKS, ConfigError, VoiceReference
+from engine.config import ADDED_TOKENS, BOC, EOC, NUM_CODEBOOKS, ConfigError, VoiceReference
 
 AudioRow = tuple[int, ...]  # 8 codes, one per codebook
 
@@ -85,6 +85,10 @@ def build_prompt(
     `<|tts|>[<|ref_text|>{ref_text}]<|ref_audio|>[PH x (T_ref + 7)]<|text|>{text}<|audio|>`."""
     if not text or not text.strip():
         raise ConfigError("text to speak is empty")
+    for part in (text, reference.text if reference else None):
+        found = [t for t in ADDED_TOKENS if part and t in part]
+        if found:
+            raise ConfigError(f"text may not contain the prompt's structural tokens {found}")
     ids: list[int] = [special.tts]
     rows: list[AudioRow | None] = [None]
     if reference is not None:

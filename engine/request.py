@@ -20,7 +20,7 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     EOS = "eos"  # codebook 0 emitted EOC and the 7-row ramp completed
     LENGTH = "length"  # max_rows reached
     ABORT = "abort"  # aborted by the caller

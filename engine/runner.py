@@ -70,8 +70,13 @@ class ModelRunner:
         dtype = model.embed_tokens.weight.dtype
         self.kv_caches = [
             torch.zeros(
-                2, num_kv_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim,
-                dtype=dtype, device=self.device,
+                2,
+                num_kv_blocks,
+                config.block_size,
+                cfg.num_kv_heads,
+                cfg.head_dim,
+                dtype=dtype,
+                device=self.device,
             )
             for _ in range(cfg.num_layers)
         ]
@@ -80,8 +85,14 @@ class ModelRunner:
         pin = self.device.type == "cuda"
         self.host = torch.zeros(self.layout.total, dtype=torch.long, pin_memory=pin)
         self.host_np = self.host.numpy()
-        self.inputs = self.host if self.device.type == "cpu" else torch.zeros_like(self.host, device=self.device)
-        self.out_host = torch.zeros(config.max_num_seqs, NUM_CODEBOOKS + 1, dtype=torch.long, pin_memory=pin)
+        self.inputs = (
+            self.host
+            if self.device.type == "cpu"
+            else torch.zeros_like(self.host, device=self.device)
+        )
+        self.out_host = torch.zeros(
+            config.max_num_seqs, NUM_CODEBOOKS + 1, dtype=torch.long, pin_memory=pin
+        )
         self.delay = DelayState(config.max_num_seqs, self.device)
         self.sampler = Sampler(config.max_num_seqs, self.device)
         self._prompt_arrays: dict[str, tuple[np.ndarray, np.ndarray]] = {}
@@ -122,7 +133,9 @@ class ModelRunner:
         rows = lay.view(buf, "audio_rows")[: num_tokens * NUM_CODEBOOKS].view(num_tokens, -1)
         feedback = lay.view(buf, "feedback_slot")[:num_tokens]
         # Decode inputs come from GPU-resident state, not from the host copy of the rows.
-        rows = torch.where(feedback[:, None] >= 0, self.delay.last_codes[feedback.clamp(min=0)], rows)
+        rows = torch.where(
+            feedback[:, None] >= 0, self.delay.last_codes[feedback.clamp(min=0)], rows
+        )
         embeds = self.model.embed(token_ids, rows.clamp(min=0), rows[:, 0] >= 0)
         meta = AttentionMetadata(
             num_tokens=num_tokens,
@@ -195,7 +208,9 @@ class ModelRunner:
             ids_out[g0 - start :] = 0
             rows_out[g0 - start :] = np.asarray(req.output_rows[g0 - p : end - p], dtype=np.int64)
 
-    def _to_host(self, requests: list[Request], codes: torch.Tensor, done: torch.Tensor) -> SampledRows:
+    def _to_host(
+        self, requests: list[Request], codes: torch.Tensor, done: torch.Tensor
+    ) -> SampledRows:
         r = len(requests)
         packed = torch.cat([codes, done[:, None].long()], dim=1)
         out = self.out_host[:r]
@@ -203,4 +218,6 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.current_stream().synchronize()  # the one designated sync per step
         arr = out.numpy()
-        return SampledRows(requests, arr[:, :NUM_CODEBOOKS].copy(), arr[:, NUM_CODEBOOKS].astype(bool))
+        return SampledRows(
+            requests, arr[:, :NUM_CODEBOOKS].copy(), arr[:, NUM_CODEBOOKS].astype(bool)
+        )

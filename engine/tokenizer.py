@@ -13,11 +13,17 @@ from engine.prompt import SpecialTokens
 class HiggsTokenizer:
     def __init__(self, path: Path):
         from transformers import AutoTokenizer
+        from transformers.utils import logging as hf_logging
 
+        # transformers warns that config.json's model_type is unknown to it; it is ours.
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()
         try:
             self._tok = AutoTokenizer.from_pretrained(str(path))
         except Exception as exc:
             raise ConfigError(f"cannot load the tokenizer from {path}: {exc}") from exc
+        finally:
+            hf_logging.set_verbosity(verbosity)
         vocab = self._tok.get_vocab()
         missing = [t for t in ADDED_TOKENS if t not in vocab]
         if missing:

@@ -1,0 +1,35 @@
+"""Shared fixtures: small random checkpoints written in the real Higgs v3 layout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.checkpoint_writer import TINY_TEXT_CONFIG, write_checkpoint
+
+# A little wider than the embedded default so parity tests exercise GQA and several layers.
+TEST_TEXT_CONFIG = {
+    **TINY_TEXT_CONFIG,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+}
+
+
+# The tiny test models run many small ops: one thread avoids pool contention on small CPUs.
+torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("tiny-ckpt"), TEST_TEXT_CONFIG, seed=7)

@@ -1,0 +1,95 @@
+"""On an NVIDIA GPU: the parity tests in bf16 against fp32 references, with the embedded-size
+test model and with a full-size (Higgs v3 4B shape) random checkpoint in the real layout.
+
+The full-size checkpoint is written once per session (about 8 GB); set CLONECAST_FULL_CKPT to
+an existing directory to reuse one."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import Engine, EngineConfig, SamplingParams
+from engine.checkpoint_writer import FULL_TEXT_CONFIG, write_checkpoint
+from tests.engine.parity import HiddenRecorder, check_all_chunks
+from tests.engine.reference import ReferenceModel
+from tests.engine.test_parity import make_reference, run
+
+pytestmark = pytest.mark.cuda
+BF16_TOL = 3e-2
+
+
+def _scenarios(engine_factory, reference, ref_len):
+    """Single prefill + decode, split prefill, mixed batch and a prefix-cache hit, on one engine
+    per scenario; returns the worst (hidden, logits) relative errors."""
+    worst = []
+    e = engine_factory(max_num_batched_tokens=512)
+    rec = HiddenRecorder(e)
+    prompts, rows = run(e, [("a", "A single request.", None, SamplingParams(seed=1, max_rows=6))])
+    worst.append(check_all_chunks(e, rec, reference, prompts, rows, BF16_TOL)[:2])
+
+    e = engine_factory(max_num_batched_tokens=64)
+    rec = HiddenRecorder(e)
+    voice = make_reference(3, ref_len, "a shared transcript")
+    reqs = [
+        ("c0", "Clone one, with a long reference.", voice, SamplingParams(seed=2, max_rows=5)),
+        ("p1", "plain", None, SamplingParams(seed=3, max_rows=8)),
+        ("c2", "Clone two shares the voice.", voice, SamplingParams(temperature=0, max_rows=4)),
+    ]
+    prompts, rows = run(e, reqs[:2])
+    p2, r2 = run(e, reqs[2:])  # after c0 finished: its prefix blocks are cached
+    prompts.update(p2)
+    rows.update(r2)
+    assert e.stats.num_prefix_cached_tokens > 0
+    assert any(len(c) > 1 and any(n > 1 for _, _, n in c) for c, _ in rec.steps)
+    worst.append(check_all_chunks(e, rec, reference, prompts, rows, BF16_TOL)[:2])
+    return max(w[0] for w in worst), max(w[1] for w in worst)
+
+
+def _factory(ckpt, num_kv_blocks):
+    def make(**kw):
+        cfg = EngineConfig(
+            device="cuda",
+            dtype="bfloat16",
+            block_size=16,
+            max_num_seqs=16,
+            num_kv_blocks=num_kv_blocks,
+            max_model_len=4096,
+            **kw,
+        )
+        return Engine.from_pretrained(ckpt, cfg)
+
+    return make
+
+
+def test_bf16_parity_small_model(tiny_ckpt):
+    reference = ReferenceModel(tiny_ckpt, dtype=torch.float32, device="cuda")
+    h, logits = _scenarios(_factory(tiny_ckpt, 512), reference, ref_len=40)
+    print(f"small model bf16 vs fp32: worst hidden rel err {h:.2e}, logits {logits:.2e}")
+
+
+@pytest.fixture(scope="module")
+def full_ckpt(tmp_path_factory):
+    given = os.environ.get("CLONECAST_FULL_CKPT")
+    if given and (Path(given) / "config.json").is_file():
+        return Path(given)
+    path = Path(given) if given else tmp_path_factory.mktemp("full-ckpt")
+    return write_checkpoint(
+        path,
+        FULL_TEXT_CONFIG,
+        seed=11,
+        max_shard_bytes=4 << 30,
+        device="cuda",
+        dtype=torch.bfloat16,
+    )
+
+
+def test_bf16_parity_full_size_checkpoint(full_ckpt):
+    reference = ReferenceModel(full_ckpt, dtype=torch.float32, device="cuda")
+    h, logits = _scenarios(_factory(full_ckpt, 1024), reference, ref_len=120)
+    print(f"full-size bf16 vs fp32: worst hidden rel err {h:.2e}, logits {logits:.2e}")
+    del reference
+    torch.cuda.empty_cache()

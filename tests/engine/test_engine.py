@@ -1,0 +1,111 @@
+"""Engine API behaviour on the CPU: events, abort, seeded batch independence, length cap."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import ConfigError, Engine, EngineConfig, SamplingParams, VoiceReference
+from engine.config import EOC
+from tests.engine.test_parity import make_reference
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_ckpt):
+    return Engine.from_pretrained(
+        tiny_ckpt, EngineConfig(block_size=4, max_num_seqs=16, max_num_batched_tokens=64)
+    )
+
+
+def test_events_stream_one_row_per_step_then_finish(engine):
+    engine.add_request("ev", "Events please.", params=SamplingParams(seed=1, max_rows=5))
+    events = []
+    while engine.has_unfinished():
+        events += engine.step()
+    assert [len(e.new_rows) for e in events] == [1] * 5
+    assert [e.finished for e in events] == [False] * 4 + [True]
+    assert events[-1].finish_reason == "length"
+    assert events[-1].rows == [e.new_rows[0] for e in events]
+
+
+def test_abort_frees_blocks_and_slot(engine):
+    free_before = engine.stats.num_free_kv_blocks
+    engine.add_request("ab", "Abort me soon.", params=SamplingParams(seed=1, max_rows=100))
+    engine.step()
+    engine.step()
+    assert engine.stats.num_free_kv_blocks < free_before
+    assert engine.abort("ab") is True
+    assert engine.abort("ab") is False
+    assert not engine.has_unfinished()
+    assert engine.stats.num_free_kv_blocks == free_before
+    assert engine.step() == []
+
+
+def test_rejects_bad_requests(engine):
+    with pytest.raises(ConfigError, match="empty"):
+        engine.add_request("x", "   ")
+    with pytest.raises(ConfigError, match="repetition_penalty"):
+        SamplingParams.from_dict({"repetition_penalty": 1.1})
+    engine.add_request("dup", "once", params=SamplingParams(max_rows=1))
+    with pytest.raises(ConfigError, match="already in use"):
+        engine.add_request("dup", "twice")
+    engine.abort("dup")
+    assert not engine.has_unfinished()
+
+
+def _mixed_batch(n: int):
+    reqs = []
+    for i in range(n):
+        ref = make_reference(100 + i, 5 + 3 * i, "ref" if i % 2 else None) if i % 3 else None
+        params = SamplingParams(
+            temperature=0.7 + 0.05 * i,
+            top_k=[0, 5, 50][i % 3],
+            top_p=[1.0, 0.9, 0.5][i % 3],
+            seed=1000 + i,
+            max_rows=6 + i,
+        )
+        reqs.append((f"m{i}", f"mixed request number {i}" * (1 + i % 3), ref, params))
+    return reqs
+
+
+def test_seeded_rows_identical_alone_and_in_batch_of_16(tiny_ckpt):
+    target = (
+        "target",
+        "The same seed, alone or not.",
+        make_reference(5, 17, "voice"),
+        SamplingParams(seed=424242, max_rows=24),
+    )
+    alone = Engine.from_pretrained(tiny_ckpt, EngineConfig(block_size=4))
+    [solo] = alone.generate([target[1]], references=[target[2]], params=target[3])
+
+    batch = Engine.from_pretrained(
+        tiny_ckpt, EngineConfig(block_size=8, max_num_seqs=16, max_num_batched_tokens=40)
+    )
+    reqs = _mixed_batch(15)
+    reqs.insert(7, target)
+    results = batch.generate(
+        [r[1] for r in reqs], references=[r[2] for r in reqs], params=[r[3] for r in reqs]
+    )
+    assert results[7].rows == solo.rows
+    assert len({tuple(r.rows[0]) for r in results}) > 8  # the batch really was mixed
+
+
+def test_length_cap_is_2048_rows(tiny_ckpt):
+    engine = Engine.from_pretrained(tiny_ckpt, EngineConfig(max_num_seqs=1))
+    [result] = engine.generate(["cap me"], params=SamplingParams(temperature=0))
+    assert result.finish_reason == "length"
+    assert len(result.rows) == 2048
+    assert all(row[0] != EOC for row in result.rows)
+    frames = len(result.rows) - 7 - 1  # undo the delay, drop the last frame
+    assert frames / 25 == pytest.approx(81.6)
+
+
+def test_default_model_is_used_without_a_path(tmp_path):
+    engine = Engine.from_pretrained(None, EngineConfig(max_num_seqs=2), cache_dir=tmp_path)
+    assert engine.is_default_model
+    [r] = engine.generate(["hi"], params=SamplingParams(seed=0, max_rows=3))
+    assert len(r.rows) == 3
+
+
+def test_voice_reference_type_checked():
+    with pytest.raises(ConfigError):
+        VoiceReference(((1, 2, 3),), "bad width")
