@@ -96,8 +96,11 @@ class ModelRunner:
         self.delay = DelayState(config.max_num_seqs, self.device)
         self.sampler = Sampler(config.max_num_seqs, self.device)
         self._prompt_arrays: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-        # Recorded after each host-to-device copy: the staging buffer is reused next step.
+        # Recorded after each host-to-device copy: the staging buffer is reused next step. A
+        # step that samples ends with the designated sync, which covers it; only a step without
+        # sampling (pure chunked prefill) leaves the event to be waited on.
         self._copied = torch.cuda.Event() if self.device.type == "cuda" else None
+        self._copy_pending = False
 
     # -- request hooks -----------------------------------------------------------------------
 
@@ -151,6 +154,7 @@ class ModelRunner:
             hidden = self.model(embeds, lay.view(buf, "positions")[:num_tokens], self.kv_caches)
         sampling = [c.request for c in sched.chunks if c.samples]
         if not sampling:
+            self._copy_pending = self._copied is not None
             return SampledRows([], np.zeros((0, NUM_CODEBOOKS), np.int64), np.zeros(0, bool))
         slots = lay.view(buf, "sample_slots")[:num_samples]
         logits = self.model.audio_logits(hidden[lay.view(buf, "logits_index")[:num_samples]])
@@ -163,8 +167,9 @@ class ModelRunner:
     def _prepare(self, sched: SchedulerOutput) -> tuple[int, int]:
         """Fills the host staging buffer for this step; returns (tokens, sampled rows)."""
         lay, h = self.layout, self.host_np
-        if self._copied is not None:
+        if self._copy_pending:
             self._copied.synchronize()  # last step's copy has left the staging buffer
+            self._copy_pending = False
         token_ids, positions = lay.view(h, "token_ids"), lay.view(h, "positions")
         rows = lay.view(h, "audio_rows").reshape(-1, NUM_CODEBOOKS)
         feedback, slot_mapping = lay.view(h, "feedback_slot"), lay.view(h, "slot_mapping")

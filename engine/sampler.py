@@ -51,7 +51,7 @@ class Sampler:
 
     def __init__(self, max_slots: int, device: torch.device):
         self.temperature = torch.ones(max_slots, device=device)
-        self.top_k = torch.zeros(max_slots, dtype=torch.long, device=device)
+        self.top_k = torch.full((max_slots,), CODEBOOK_SIZE, dtype=torch.long, device=device)
         self.top_p = torch.ones(max_slots, device=device)
         self.seed = torch.zeros(max_slots, dtype=torch.long, device=device)
 
@@ -93,6 +93,6 @@ def filter_top_k_top_p(
     probs = torch.softmax(sorted_logits, dim=-1)
     mass_before = probs.cumsum(-1) - probs
     # top_p == 1 disables the filter exactly (a cumsum may round past 1.0 in the tail).
-    drop = (mass_before > top_p[:, None, None]) & (rank > 0) & (top_p < 1.0)[:, None, None]
+    drop = (mass_before >= top_p[:, None, None]) & (rank > 0) & (top_p < 1.0)[:, None, None]
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)

@@ -404,7 +404,7 @@ def test_same_seed_same_rows_alone_and_in_batch():
 def test_empirical_distribution_matches_softmax(temperature):
     support = [10, 200, 513, 1000]
     support_logits = torch.tensor([1.0, 0.5, 0.0, -0.5])
-    rows = 256  # 2048 draws (8 codebooks per row use disjoint noise); the CPU noise is slow
+    rows = 512  # 4096 draws (8 codebooks per row use disjoint noise); the CPU noise is slow
     logits = torch.randn(NUM_CODEBOOKS, V, generator=torch.Generator().manual_seed(12)) + 5
     logits[:, support] = support_logits
     forbidden = torch.ones(NUM_CODEBOOKS, V, dtype=torch.bool)
@@ -418,4 +418,4 @@ def test_empirical_distribution_matches_softmax(temperature):
     counts = torch.stack([(codes == c).sum() for c in support])
     assert int(counts.sum()) == codes.numel()  # nothing outside the support
     freq = counts.double() / codes.numel()
-    assert torch.allclose(freq, expected.double(), atol=0.05), (freq, expected)
+    assert torch.allclose(freq, expected.double(), atol=0.04), (freq, expected)

@@ -303,15 +303,17 @@ def test_preemption_frees_blocks_for_the_older_request():
     sim = Sim(num_blocks=9, caching=False, max_num_batched_tokens=32)
     a = sim.add(make_request("a", 8, max_rows=16))
     b = sim.add(make_request("b", 8, max_rows=16))
-    c = sim.add(make_request("c", 1, max_rows=1))
     sim.step()
+    c = sim.add(make_request("c", 24, max_rows=1))  # 6 blocks: more than the 4 left
+    sim.step()
+    assert sim.sched.waiting[0] is c
     # Waiting requests are not admitted in a step that preempted.
     while not sim.history[-1].preempted:
         sim.step()
     assert sim.history[-1].preempted == [b]
     assert all(ch.request is not c for ch in sim.history[-1].chunks)
-    # The preempted request is ahead of the one that was already waiting.
-    assert list(sim.sched.waiting)[:1] == [b]
+    # The preempted request goes ahead of the one that was already waiting.
+    assert list(sim.sched.waiting) == [b, c]
     sim.run()
     assert all(r.is_finished for r in (a, b, c))
 
@@ -328,21 +330,33 @@ def test_preempted_request_resumes_from_its_cached_prompt():
     while b.status is not RequestStatus.RUNNING:
         sim.step()
     _, start, n = chunks_of(sim, b)[-1]
-    assert start == b.num_cached_tokens
-    assert start % BS == 0 and start <= len(b.prompt)
+    # Its freed tail blocks were recycled first, so both prompt blocks are still cached and
+    # may all be reused: the generated rows after them supply the last position.
+    assert start == b.num_cached_tokens == len(b.prompt) == 8
     assert start + n == len(b.prompt) + rows_before
     sim.run()
-    assert len(b.output_rows) == 16
+    assert len(b.output_rows) == 16 and len(a.output_rows) == 16
+    assert a.num_preemptions == 0
 
 
 def test_self_preemption_when_last_running_request_needs_blocks():
-    # a is oldest; b is the only other running request and also the one that needs a block.
+    # a and b grow in lockstep; when both need a fifth block only a can get it, so b (the
+    # newest, and the one asking) preempts itself.
     sim = Sim(num_blocks=6, caching=False, max_num_batched_tokens=32)  # 5 usable
     a = sim.add(make_request("a", 4, max_rows=12))
     b = sim.add(make_request("b", 4, max_rows=12))
+    while True:
+        a_blocks_before = len(a.block_ids)
+        out = sim.step()
+        if out.preempted:
+            break
+        assert len(sim.history) < 50
+    assert out.preempted == [b]
+    assert [c.request for c in out.chunks] == [a]
+    assert len(a.block_ids) == a_blocks_before + 1  # a took the last free block
+    assert sim.bm.num_free_blocks == 5 - len(a.block_ids)
     sim.run()
     assert len(a.output_rows) == 12 and len(b.output_rows) == 12
-    assert sim.num_preempted >= 1
     assert b.num_preemptions >= 1 and a.num_preemptions == 0
 
 
@@ -462,6 +476,26 @@ def test_fully_cached_prompt_still_computes_its_last_position():
     assert [(ch.start, ch.num_tokens) for ch in out.chunks] == [(12, 1)]
     assert c.num_cached_tokens == 12
     assert len(c.output_rows) == 1
+
+
+def test_only_computed_blocks_are_reused_during_chunked_prefill():
+    sim = Sim(num_blocks=64, max_num_batched_tokens=18)
+    ids = list(range(700, 730))  # 30 positions, 7 full blocks
+    a = sim.add(make_request("a", ids, max_rows=2))
+    sim.step()  # positions 0..17: blocks 0-3 full, block 4 half computed
+    assert sim.bm.num_cached_blocks() == 4
+    b = sim.add(make_request("b", ids, max_rows=2))
+    out = sim.step()
+    assert [(c.request, c.start, c.num_tokens) for c in out.chunks] == [(a, 18, 12), (b, 16, 6)]
+    assert b.num_cached_tokens == 16  # not block 4: it was still being computed
+    assert b.block_ids[:4] == a.block_ids[:4]
+    assert b.block_ids[4] != a.block_ids[4]
+    # a completed blocks 4-6; b's copy of block 4 is not registered a second time.
+    assert sim.bm.num_cached_blocks() == 7
+    assert sim.bm.match_prefix(b.block_hashes) == a.block_ids[:7]
+    sim.run()
+    assert len(a.output_rows) == 2 and len(b.output_rows) == 2
+    assert sim.bm.num_free_blocks == sim.bm.num_usable_blocks
 
 
 def test_identical_request_running_concurrently_shares_blocks():
