@@ -53,6 +53,8 @@ class Scheduler:
     # -- lifecycle ---------------------------------------------------------------------------
 
     def add(self, request: Request) -> None:
+        if len(request.prompt) == 0:
+            raise ConfigError(f"request {request.request_id!r} has an empty prompt")
         if request.request_id in self.requests:
             raise ConfigError(f"request id {request.request_id!r} is already in use")
         longest = len(request.prompt) + request.params.max_rows
