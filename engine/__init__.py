@@ -2,9 +2,12 @@
 
 Public API (everything else in this package is internal):
 - `Engine`: create with `Engine.from_pretrained(path_or_hub_id_or_None, EngineConfig(...))`,
-  then `add_request`, `abort`, `step`, `has_unfinished`, `rows`, `generate`, `stats`.
+  then `encode_reference`, `add_request`, `abort`, `step`, `has_unfinished`, `rows`,
+  `generate`, `stats`.
 - `EngineConfig`, `SamplingParams`, `VoiceReference`: inputs, validated on construction.
-- `RequestOutput`, `GenerationResult`, `EngineStats`: outputs.
+- `StreamConfig`, `AudioLimits`: streaming chunk sizes; reference-audio limits.
+- `RequestOutput`, `AudioChunk`, `GenerationResult`, `EngineStats`: outputs.
+- `ReferenceAudioError`: unusable reference audio, with a stable `code`.
 - `ConfigError`: every rejected input or checkpoint.
 - `UNTRAINED_NOTICE`: what to show whenever the embedded default model is in use.
 
@@ -20,6 +23,10 @@ _PUBLIC = {
     "EngineConfig": "engine.config",
     "SamplingParams": "engine.config",
     "VoiceReference": "engine.config",
+    "StreamConfig": "engine.config",
+    "AudioChunk": "engine.engine",
+    "ReferenceAudioError": "engine.codec.audio_io",
+    "AudioLimits": "engine.codec.audio_io",
     "Engine": "engine.engine",
     "EngineStats": "engine.engine",
     "GenerationResult": "engine.engine",

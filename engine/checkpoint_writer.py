@@ -17,10 +17,17 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from engine.codec.config import TINY_CODEC_CONFIG
 from engine.config import ADDED_TOKENS, CODEBOOK_SIZE, NUM_CODEBOOKS
-from engine.loader import AUDIO_TABLE_KEY, FINAL_NORM_KEY, LAYER_KEYS, TEXT_EMBED_KEY
+from engine.loader import (
+    AUDIO_TABLE_KEY,
+    CODEC_PREFIX,
+    FINAL_NORM_KEY,
+    LAYER_KEYS,
+    TEXT_EMBED_KEY,
+)
 
-DEFAULT_MODEL_VERSION = "v1"
+DEFAULT_MODEL_VERSION = "v2"
 UNTRAINED_NOTICE = (
     "the embedded default model has random weights: its audio is not speech. "
     "Pass a real Higgs Audio v3 checkpoint to hear a voice."
@@ -52,7 +59,33 @@ FULL_TEXT_CONFIG = {  # Higgs v3 4B shape (spec section 1)
 }
 
 
-def make_config(text_config: dict) -> dict:
+def random_codec_weights(codec_config: dict, seed: int) -> dict[str, torch.Tensor]:
+    """A seeded random codec in transformers' HiggsAudioV2TokenizerModel naming, with random
+    codebooks (its own init leaves them zero, which would make every code sound the same)."""
+    from transformers import HiggsAudioV2TokenizerConfig, HiggsAudioV2TokenizerModel
+
+    raw = {k: v for k, v in codec_config.items() if k != "model_type"}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = HiggsAudioV2TokenizerModel(HiggsAudioV2TokenizerConfig(**raw))
+        state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+        for key, t in state.items():
+            if key.endswith("codebook.embed"):
+                state[key] = torch.randn(t.shape) * 0.5
+            elif key.endswith(".alpha"):
+                state[key] = 1.0 + 0.2 * torch.rand(t.shape)
+    return state
+
+
+def write_codec_dir(directory: Path, codec_config: dict, seed: int = 0) -> Path:
+    """A standalone tokenizer directory (transformers layout) with random weights."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(codec_config, indent=2))
+    save_file(random_codec_weights(codec_config, seed), str(directory / "model.safetensors"))
+    return directory
+
+
+def make_config(text_config: dict, codec_config: dict | None = None) -> dict:
     text = {
         "model_type": "qwen3",
         "architectures": ["Qwen3Model"],
@@ -62,17 +95,20 @@ def make_config(text_config: dict) -> dict:
         "torch_dtype": "bfloat16",
         **text_config,
     }
+    audio = {
+        "encoder_type": "discrete",
+        "num_codebooks": NUM_CODEBOOKS,
+        "vocab_size": CODEBOOK_SIZE,
+        "out_dim": text["hidden_size"],
+        "tie_word_embeddings": True,
+        "use_delay_pattern": True,
+    }
+    if codec_config is not None:  # our extension: the real file's codec description is unknown
+        audio["codec_config"] = codec_config
     return {
         "model_type": "higgs_multimodal_qwen3",
         "text_config": text,
-        "audio_encoder_config": {
-            "encoder_type": "discrete",
-            "num_codebooks": NUM_CODEBOOKS,
-            "vocab_size": CODEBOOK_SIZE,
-            "out_dim": text["hidden_size"],
-            "tie_word_embeddings": True,
-            "use_delay_pattern": True,
-        },
+        "audio_encoder_config": audio,
     }
 
 
@@ -152,18 +188,23 @@ def write_checkpoint(
     max_shard_bytes: int | None = None,
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
+    codec_config: dict | None = None,
 ) -> Path:
-    """Writes config.json, tokenizer files and (possibly sharded) safetensors weights."""
+    """Writes config.json, tokenizer files and (possibly sharded) safetensors weights; with a
+    codec config, a random codec bundled under the v3 codec prefix."""
     directory.mkdir(parents=True, exist_ok=True)
     vocab = write_tokenizer(directory)
     text = dict(text_config)
     text.setdefault("vocab_size", -(-vocab // 64) * 64)
     if text["vocab_size"] < vocab:
         raise ValueError(f"vocab_size {text['vocab_size']} < tokenizer size {vocab}")
-    (directory / "config.json").write_text(json.dumps(make_config(text), indent=2))
+    (directory / "config.json").write_text(json.dumps(make_config(text, codec_config), indent=2))
     tensors = {
         k: v.contiguous().cpu() for k, v in random_weights(text, seed, device, dtype).items()
     }
+    if codec_config is not None:
+        codec = random_codec_weights(codec_config, seed + 1)
+        tensors.update({CODEC_PREFIX + k: v for k, v in codec.items()})
     _save_shards(directory, tensors, max_shard_bytes)
     return directory
 
@@ -199,7 +240,7 @@ def default_model_dir(cache_root: Path | None = None) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".default-model-", dir=root))
     try:
-        write_checkpoint(tmp, TINY_TEXT_CONFIG, seed=1234)
+        write_checkpoint(tmp, TINY_TEXT_CONFIG, seed=1234, codec_config=TINY_CODEC_CONFIG)
         try:
             os.rename(tmp, target)
         except OSError:  # another process won the race: use its copy

@@ -126,6 +126,22 @@ def _rope_theta(text: dict[str, Any]) -> float:
 
 
 @dataclass(frozen=True)
+class StreamConfig:
+    """Streaming chunk sizes in frames (40 ms each); the defaults are the required profile."""
+
+    first_chunk_frames: int = 8
+    chunk_frames: int = 25
+    left_context_frames: int = 8
+    holdback_frames: int = 0
+
+    def __post_init__(self) -> None:
+        if self.first_chunk_frames < 1 or self.chunk_frames < 1:
+            raise ConfigError("first_chunk_frames and chunk_frames must be >= 1")
+        if self.left_context_frames < 0 or self.holdback_frames < 0:
+            raise ConfigError("left_context_frames and holdback_frames must be >= 0")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Capacity and execution settings of one engine instance.
 
@@ -143,10 +159,16 @@ class EngineConfig:
     kv_cache_memory_fraction: float = 0.6
     enable_prefix_caching: bool = True
     attention_backend: str = "torch"
+    codec_dtype: str = "float32"
+    stream: StreamConfig = StreamConfig()
+    voice_cache_bytes: int = 64 * 1024 * 1024
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ConfigError(f"dtype must be auto/float32/bfloat16/float16, got {self.dtype!r}")
+        for name in ("dtype", "codec_dtype"):
+            if getattr(self, name) not in ("auto", "float32", "bfloat16", "float16"):
+                raise ConfigError(
+                    f"{name} must be auto/float32/bfloat16/float16, got {getattr(self, name)!r}"
+                )
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ConfigError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.max_num_batched_tokens < self.max_num_seqs:

@@ -20,27 +20,53 @@ import torch
 from engine.attention import make_backend
 from engine.block_manager import BlockManager
 from engine.checkpoint_writer import UNTRAINED_NOTICE, default_model_dir
+from engine.codec.audio_io import AudioLimits
+from engine.codec.codec import Codec
 from engine.config import ConfigError, EngineConfig, SamplingParams, VoiceReference
 from engine.loader import load_model, resolve_checkpoint
 from engine.prompt import AudioRow, build_prompt
 from engine.request import FinishReason, Request
 from engine.runner import ModelRunner
 from engine.scheduler import Scheduler
+from engine.streaming import AudioStream, ChunkWindow
 from engine.tokenizer import HiggsTokenizer
 
 log = logging.getLogger("clonecast.engine")
 
 
 @dataclass(frozen=True)
+class AudioChunk:
+    """A piece of a request's audio: PCM16 little-endian, 24 kHz mono, frames `[start, end)`
+    (40 ms each). The last chunk of a request has `is_last` (it may be empty). Times are
+    `time.monotonic()` seconds: request arrival, its first generated row, this chunk ready."""
+
+    request_id: str
+    index: int
+    pcm: bytes
+    start_frame: int
+    end_frame: int
+    is_last: bool
+    arrival_time: float
+    first_row_time: float | None
+    ready_time: float
+    error: str | None = None
+
+    @property
+    def duration_s(self) -> float:
+        return len(self.pcm) / 2 / 24000
+
+
+@dataclass(frozen=True)
 class RequestOutput:
-    """What one step produced for one request: its new delayed audio rows, and on the last
-    event the finish reason and every row it generated."""
+    """What one step produced for one request: its new delayed audio rows, the audio chunk
+    that became ready (if any), and on the last event the finish reason and every row."""
 
     request_id: str
     new_rows: list[AudioRow]
     finished: bool = False
     finish_reason: str | None = None
     rows: list[AudioRow] | None = None  # all rows, on the finishing event only
+    audio: AudioChunk | None = None
 
 
 @dataclass(frozen=True)
@@ -48,6 +74,7 @@ class GenerationResult:
     request_id: str
     rows: list[AudioRow]
     finish_reason: str
+    pcm: bytes = b""  # the streamed audio chunks concatenated (empty without audio)
 
 
 @dataclass(frozen=True)
@@ -59,6 +86,8 @@ class EngineStats:
     num_prefill_tokens_computed: int
     num_prefix_cached_tokens: int
     num_preemptions: int
+    num_voice_encodes: int = 0
+    num_voice_cache_hits: int = 0
 
 
 @dataclass
@@ -79,7 +108,14 @@ class Engine:
     ...     for event in engine.step(): ...
     """
 
-    def __init__(self, checkpoint: Path, config: EngineConfig, *, is_default: bool = False):
+    def __init__(
+        self,
+        checkpoint: Path,
+        config: EngineConfig,
+        *,
+        is_default: bool = False,
+        codec: Path | None = None,
+    ):
         self.config = config
         self.checkpoint = checkpoint
         self.is_default_model = is_default
@@ -98,6 +134,9 @@ class Engine:
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.blocks)
         self.runner = ModelRunner(self.model, config, num_blocks)
+        self.codec = _load_codec(codec or checkpoint, config, device, codec is not None)
+        self.audio_limits = AudioLimits()
+        self._streams: dict[str, AudioStream] = {}
         self._counters = _Counters()
         if is_default:
             log.warning(UNTRAINED_NOTICE)
@@ -108,13 +147,16 @@ class Engine:
         model: str | os.PathLike | None = None,
         config: EngineConfig | None = None,
         *,
+        codec: str | os.PathLike | None = None,
         cache_dir: Path | None = None,
     ) -> Engine:
-        """From a checkpoint directory or hub id; None means the embedded default model."""
+        """From a checkpoint directory or hub id; None means the embedded default model.
+        `codec`: a standalone Higgs audio tokenizer (default: the checkpoint's bundled codec)."""
         config = config or EngineConfig()
+        codec_path = resolve_checkpoint(codec) if codec is not None else None
         if model is None:
-            return cls(default_model_dir(cache_dir), config, is_default=True)
-        return cls(resolve_checkpoint(model), config)
+            return cls(default_model_dir(cache_dir), config, is_default=True, codec=codec_path)
+        return cls(resolve_checkpoint(model), config, codec=codec_path)
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -125,12 +167,43 @@ class Engine:
         *,
         reference: VoiceReference | None = None,
         params: SamplingParams | None = None,
+        audio: bool | None = None,
     ) -> None:
-        """Queues a request. Raises ConfigError for a bad input (nothing is queued then)."""
+        """Queues a request. Raises ConfigError for a bad input (nothing is queued then).
+        `audio` (default: whenever the engine has a codec) streams audio chunks in the events."""
         params = params or SamplingParams()
+        if audio is None:
+            audio = self.codec is not None
+        if audio and self.codec is None:
+            raise ConfigError("this engine has no codec: load one, or pass audio=False for codes")
         prompt = build_prompt(self.tokenizer, self.tokenizer.special, text, reference)
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8)) >> 1
         self.scheduler.add(Request(request_id, prompt, params, seed))
+        if audio:
+            self._streams[request_id] = AudioStream(request_id, self.config.stream)
+
+    def encode_reference(
+        self,
+        audio: bytes | None = None,
+        text: str | None = None,
+        *,
+        waveform=None,
+        sample_rate: int | None = None,
+    ) -> VoiceReference:
+        """A voice from reference audio: an audio file's bytes, or a waveform `[channels, N]`
+        with its sample rate. Encoded references are cached by content; thread-safe.
+        Raises ConfigError (a ReferenceAudioError with a stable `code`) for unusable audio."""
+        if self.codec is None:
+            raise ConfigError("this engine has no codec to encode reference audio")
+        if (audio is None) == (waveform is None):
+            raise ConfigError("pass either audio bytes or a waveform with its sample rate")
+        if audio is not None:
+            frames, _ = self.codec.encode_file(audio, self.audio_limits)
+        else:
+            if not sample_rate:
+                raise ConfigError("a waveform needs its sample_rate")
+            frames, _ = self.codec.encode_waveform(waveform, sample_rate, self.audio_limits)
+        return VoiceReference(frames, text or None)
 
     def abort(self, request_id: str) -> bool:
         """Stops a request and frees its KV blocks and slot; False if it is not known."""
@@ -161,13 +234,15 @@ class Engine:
         sampled = self.runner.execute(sched)
         for chunk in sched.chunks:
             self.scheduler.on_chunk_done(chunk)
-        outputs = self._process(sampled)
+        updates = self._append_rows(sampled)
+        audio = self._decode_audio(updates)
+        outputs = [self._output(request, row, reason, audio) for request, row, reason in updates]
         self._counters.steps += 1
         self._counters.seconds += time.perf_counter() - t0
         return outputs
 
-    def _process(self, sampled) -> list[RequestOutput]:
-        outputs = []
+    def _append_rows(self, sampled) -> list[tuple[Request, AudioRow, FinishReason | None]]:
+        updates = []
         now = time.monotonic()
         for request, codes, done in zip(sampled.requests, sampled.codes, sampled.done, strict=True):
             row = tuple(int(c) for c in codes)
@@ -179,19 +254,55 @@ class Engine:
                 reason = FinishReason.EOS
             elif len(request.output_rows) >= request.params.max_rows:
                 reason = FinishReason.LENGTH
-            if reason is None:
-                outputs.append(RequestOutput(request.request_id, [row]))
-                continue
-            self._finish(request, reason)
-            outputs.append(
-                RequestOutput(request.request_id, [row], True, reason.value, request.output_rows)
-            )
+            updates.append((request, row, reason))
         self._counters.rows += len(sampled.requests)
-        return outputs
+        return updates
+
+    def _decode_audio(self, updates) -> dict[str, AudioChunk]:
+        """Windows that became ready this step, decoded together in one batch per shape."""
+        windows: list[ChunkWindow] = []
+        for request, _, reason in updates:
+            stream = self._streams.get(request.request_id)
+            if stream is not None:
+                window = stream.next_window(request.output_rows, finished=reason is not None)
+                if window is not None:
+                    windows.append(window)
+        if not windows:
+            return {}
+        now = time.monotonic()
+        chunks = {}
+        for decoded in self.codec.chunks.decode(windows):
+            w = decoded.window
+            request = self.scheduler.requests[w.request_id]
+            chunks[w.request_id] = AudioChunk(
+                w.request_id,
+                w.index,
+                decoded.pcm,
+                w.start,
+                w.end,
+                w.is_last or bool(decoded.error),
+                request.arrival_time,
+                request.first_row_time,
+                now,
+                decoded.error,
+            )
+        return chunks
+
+    def _output(self, request: Request, row: AudioRow, reason, audio) -> RequestOutput:
+        chunk = audio.get(request.request_id)
+        if chunk is not None and chunk.error and reason is None:
+            reason = FinishReason.ERROR  # a codec failure ends this request alone
+        if reason is None:
+            return RequestOutput(request.request_id, [row], audio=chunk)
+        self._finish(request, reason)
+        return RequestOutput(
+            request.request_id, [row], True, reason.value, request.output_rows, chunk
+        )
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         self.scheduler.finish(request, reason)
         self.runner.remove_request(request)
+        self._streams.pop(request.request_id, None)
 
     # -- conveniences ------------------------------------------------------------------------
 
@@ -201,6 +312,7 @@ class Engine:
         *,
         references: Sequence[VoiceReference | None] | None = None,
         params: SamplingParams | Sequence[SamplingParams] | None = None,
+        audio: bool | None = None,
     ) -> list[GenerationResult]:
         """Runs every text to completion (batched) and returns rows in input order."""
         refs = list(references) if references is not None else [None] * len(texts)
@@ -209,13 +321,21 @@ class Engine:
             raise ConfigError("texts, references and params must have the same length")
         ids = [f"generate-{id(self)}-{self._counters.steps}-{i}" for i in range(len(texts))]
         for rid, text, ref, p in zip(ids, texts, refs, plist, strict=True):
-            self.add_request(rid, text, reference=ref, params=p)
+            self.add_request(rid, text, reference=ref, params=p, audio=audio)
         results: dict[str, GenerationResult] = {}
+        pcm: dict[str, list[bytes]] = {rid: [] for rid in ids}
         while len(results) < len(ids):
             for out in self.step():
-                if out.finished and out.request_id in ids:
+                if out.request_id not in pcm:
+                    continue
+                if out.audio is not None:
+                    pcm[out.request_id].append(out.audio.pcm)
+                if out.finished:
                     results[out.request_id] = GenerationResult(
-                        out.request_id, list(out.rows or []), str(out.finish_reason)
+                        out.request_id,
+                        list(out.rows or []),
+                        str(out.finish_reason),
+                        b"".join(pcm[out.request_id]),
                     )
         return [results[rid] for rid in ids]
 
@@ -229,7 +349,22 @@ class Engine:
             num_prefill_tokens_computed=self.scheduler.num_prefill_tokens_computed,
             num_prefix_cached_tokens=self.scheduler.num_prefix_cached_tokens,
             num_preemptions=self._counters.preemptions,
+            num_voice_encodes=self.codec.encoder.num_encodes if self.codec else 0,
+            num_voice_cache_hits=self.codec.voices.stats.hits if self.codec else 0,
         )
+
+
+def _load_codec(path: Path, config: EngineConfig, device: torch.device, required: bool):
+    try:
+        dtype = (
+            getattr(torch, config.codec_dtype) if config.codec_dtype != "auto" else torch.float32
+        )
+        return Codec.load(path, device, dtype, config.voice_cache_bytes)
+    except ConfigError as exc:
+        if required:
+            raise
+        log.warning("no codec loaded (%s): requests produce codes only", exc)
+        return None
 
 
 def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:

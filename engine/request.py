@@ -24,6 +24,7 @@ class FinishReason(enum.StrEnum):
     EOS = "eos"  # codebook 0 emitted EOC and the 7-row ramp completed
     LENGTH = "length"  # max_rows reached
     ABORT = "abort"  # aborted by the caller
+    ERROR = "error"  # its audio could not be decoded (other requests are unaffected)
 
 
 @dataclass(eq=False)

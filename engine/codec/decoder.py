@@ -1,0 +1,106 @@
+"""The codec decoder: codes `[B, 8, T]` -> 24 kHz audio `[B, 1, T * 960]`.
+
+Per codebook an embedding lookup and `project_out` (64 -> 1024), summed in fp32; `fc2`
+(1024 -> 256); then a DAC decoder (Snake activations, ConvTranspose1d upsampling 8*5*4*2*3
+with `output_padding = stride % 2`, no final tanh). Our own module, so the hot path can later
+fuse Snake and run at static shapes; parameter names match transformers'
+`HiggsAudioV2TokenizerModel` (`acoustic_decoder.*`) so its weights load directly. It knows
+nothing of requests or streaming windows.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from engine.codec.config import CodecConfig
+
+
+class Snake1d(nn.Module):
+    """`x + sin(alpha * x)^2 / (alpha + 1e-9)` per channel."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.alpha = nn.Parameter(torch.ones(1, channels, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + (self.alpha + 1e-9).reciprocal() * torch.sin(self.alpha * x).pow(2)
+
+
+class ResidualUnit(nn.Module):
+    def __init__(self, channels: int, dilation: int):
+        super().__init__()
+        self.snake1 = Snake1d(channels)
+        self.conv1 = nn.Conv1d(channels, channels, 7, dilation=dilation, padding=3 * dilation)
+        self.snake2 = Snake1d(channels)
+        self.conv2 = nn.Conv1d(channels, channels, 1)
+
+    def forward(self, x):
+        return x + self.conv2(self.snake2(self.conv1(self.snake1(x))))
+
+
+class DecoderBlock(nn.Module):
+    def __init__(self, in_channels: int, out_channels: int, stride: int):
+        super().__init__()
+        self.snake1 = Snake1d(in_channels)
+        self.conv_t1 = nn.ConvTranspose1d(
+            in_channels,
+            out_channels,
+            kernel_size=2 * stride,
+            stride=stride,
+            padding=math.ceil(stride / 2),
+            output_padding=stride % 2,
+        )
+        self.res_unit1 = ResidualUnit(out_channels, 1)
+        self.res_unit2 = ResidualUnit(out_channels, 3)
+        self.res_unit3 = ResidualUnit(out_channels, 9)
+
+    def forward(self, x):
+        x = self.conv_t1(self.snake1(x))
+        return self.res_unit3(self.res_unit2(self.res_unit1(x)))
+
+
+class AcousticDecoder(nn.Module):
+    def __init__(self, cfg: CodecConfig):
+        super().__init__()
+        channels = cfg.decoder_hidden_size
+        self.conv1 = nn.Conv1d(cfg.acoustic_hidden_size, channels, 7, padding=3)
+        self.block = nn.ModuleList(
+            DecoderBlock(channels // 2**i, channels // 2 ** (i + 1), stride)
+            for i, stride in enumerate(cfg.upsampling_ratios)
+        )
+        out = channels // 2 ** len(cfg.upsampling_ratios)
+        self.snake1 = Snake1d(out)
+        self.conv2 = nn.Conv1d(out, 1, 7, padding=3)
+
+    def forward(self, x):
+        x = self.conv1(x)
+        for block in self.block:
+            x = block(x)
+        return self.conv2(self.snake1(x))
+
+
+class CodecDecoder(nn.Module):
+    def __init__(self, cfg: CodecConfig):
+        super().__init__()
+        self.config = cfg
+        q, n, d, h = cfg.num_codebooks, cfg.codebook_size, cfg.codebook_dim, cfg.hidden_size
+        self.codebooks = nn.Parameter(torch.zeros(q, n, d))  # [8, 1024, 64]
+        self.project_out_weight = nn.Parameter(torch.zeros(q, h, d))  # [8, 1024, 64]
+        self.project_out_bias = nn.Parameter(torch.zeros(q, h))
+        self.fc2 = nn.Linear(h, cfg.acoustic_hidden_size)
+        self.acoustic_decoder = AcousticDecoder(cfg)
+        self.register_buffer("offsets", torch.arange(q) * n, persistent=False)
+
+    def forward(self, codes: torch.Tensor) -> torch.Tensor:
+        """codes `[B, 8, T]` in 0..1023 -> waveform `[B, 1, T * hop]`."""
+        b, q, t = codes.shape
+        flat = self.codebooks.reshape(-1, self.codebooks.shape[-1])
+        vectors = flat[(codes + self.offsets[:, None]).reshape(b, q * t)].view(b, q, t, -1)
+        projected = torch.einsum("bqtd,qhd->bqth", vectors, self.project_out_weight)
+        projected = projected + self.project_out_bias[None, :, None, :]
+        summed = projected.float().sum(1).to(self.fc2.weight.dtype)  # [B, T, H]
+        x = self.fc2(summed).transpose(1, 2)  # [B, 256, T]
+        return self.acoustic_decoder(x)

@@ -1,0 +1,91 @@
+"""Streaming windows (spec section 6): when a request's generated rows make its next audio
+chunk ready, and which rows the codec decodes for it.
+
+With `n` rows generated, `max(0, n - 7)` frames are complete. The first chunk is 8 frames
+(320 ms); then 25-frame chunks, each decoded with 8 frames of left context whose samples are
+dropped, and no right holdback by default; the last chunk carries what remains, the terminal
+frame excluded (it may be empty: it still marks the end). Imports no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.config import NUM_CODEBOOKS, StreamConfig
+from engine.prompt import AudioRow
+
+ROW_LAG = NUM_CODEBOOKS - 1  # frame f needs row f + 7
+
+
+@dataclass(frozen=True)
+class ChunkWindow:
+    """Frames `[start, end)` are this chunk's audio; the codec decodes frames
+    `[start - context, end + holdback)` and keeps the samples of `[start, end)`."""
+
+    request_id: str
+    index: int
+    start: int
+    end: int
+    context: int
+    holdback: int
+    codes: tuple[tuple[int, ...], ...]  # [8][frames of the decode window], sanitised
+    is_last: bool
+
+    @property
+    def num_frames(self) -> int:
+        return self.end - self.start
+
+    @property
+    def window_frames(self) -> int:
+        return self.context + self.num_frames + self.holdback
+
+
+def window_codes(rows: list[AudioRow], first: int, last: int) -> tuple[tuple[int, ...], ...]:
+    """Undoes the delay over frames `[first, last)`: codebook c of frame f is row f + c.
+    Codes outside 0..1023 (BOC, EOC) become 0: never clamped, which would turn EOC into 1023."""
+    return tuple(
+        tuple(_sanitise(rows[f + c][c]) for f in range(first, last)) for c in range(NUM_CODEBOOKS)
+    )
+
+
+def _sanitise(code: int) -> int:
+    return code if 0 <= code < 1024 else 0
+
+
+def final_num_frames(num_rows: int) -> int:
+    """Frames of a finished utterance: complete frames minus the last (the terminal
+    `[EOC, ...]` frame, or at the length cap the frame the spec drops)."""
+    return max(0, num_rows - ROW_LAG - 1)
+
+
+class AudioStream:
+    """Per-request chunking state: how many frames were emitted, and the next chunk index."""
+
+    def __init__(self, request_id: str, config: StreamConfig):
+        self.request_id = request_id
+        self.config = config
+        self.emitted = 0
+        self.index = 0
+        self.done = False
+
+    def next_window(self, rows: list[AudioRow], finished: bool) -> ChunkWindow | None:
+        """The window to decode now, if a chunk is ready (always one once finished)."""
+        if self.done:
+            return None
+        cfg = self.config
+        if finished:
+            end, holdback = max(self.emitted, final_num_frames(len(rows))), 0
+        else:
+            available = max(0, len(rows) - ROW_LAG)
+            want = cfg.first_chunk_frames if self.index == 0 else cfg.chunk_frames
+            if available - self.emitted < want + cfg.holdback_frames:
+                return None
+            end, holdback = self.emitted + want, cfg.holdback_frames
+        start = self.emitted
+        context = min(cfg.left_context_frames, start)
+        codes = window_codes(rows, start - context, end + holdback) if end > start else ()
+        window = ChunkWindow(
+            self.request_id, self.index, start, end, context, holdback, codes, finished
+        )
+        self.emitted, self.index, self.done = end, self.index + 1, finished
+        return window
