@@ -14,9 +14,9 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-# Until the service lands: synthesize a short text on the embedded default model.
+# Until the service lands: speak a short text into out/hello.wav on the embedded default model.
 start: $(STAMP)
-	$(BIN)/clonecast generate --text "Hello from clonecast." --out out/hello.codes.json
+	$(BIN)/clonecast synthesize --text "Hello from clonecast." --max-rows 200 --out out/hello.wav
 
 test: $(STAMP)
 	$(BIN)/ruff check engine kernels service tests benchmarks

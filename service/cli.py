@@ -1,6 +1,9 @@
-"""The `clonecast` command line. For now: `clonecast generate`, which runs the engine on a
-text and writes the generated delayed audio-code rows to a JSON file (the codec that turns
-them into a WAV comes with the codec work)."""
+"""The `clonecast` command line.
+
+`clonecast synthesize`: speak a text (optionally in the voice of a reference recording) into a
+WAV file, written chunk by chunk as the audio streams out of the engine.
+`clonecast generate`: write the generated delayed audio-code rows to a JSON file.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ import argparse
 import json
 import sys
 import time
+import wave
 from pathlib import Path
 
 from engine import UNTRAINED_NOTICE, ConfigError, Engine, EngineConfig, SamplingParams
@@ -23,12 +27,7 @@ def _device(requested: str | None) -> str:
 
 
 def generate(args: argparse.Namespace) -> int:
-    settings = ServiceSettings.from_env()
-    model = args.model or settings.model
-    config = EngineConfig(device=_device(args.device or settings.device), max_num_seqs=4)
-    engine = Engine.from_pretrained(model, config, cache_dir=settings.cache_dir)
-    if engine.is_default_model:
-        print(f"note: {UNTRAINED_NOTICE}", file=sys.stderr)
+    engine = _engine(args)
     params = SamplingParams(
         temperature=args.temperature,
         top_k=args.top_k,
@@ -37,7 +36,7 @@ def generate(args: argparse.Namespace) -> int:
         max_rows=args.max_rows,
     )
     t0 = time.perf_counter()
-    [result] = engine.generate([args.text], params=params)
+    [result] = engine.generate([args.text], params=params, audio=False)
     seconds = time.perf_counter() - t0
     frames = max(0, len(result.rows) - 8)
     out = Path(args.out)
@@ -60,19 +59,102 @@ def generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _engine(args: argparse.Namespace, max_num_seqs: int = 4) -> Engine:
+    settings = ServiceSettings.from_env()
+    config = EngineConfig(device=_device(args.device or settings.device), max_num_seqs=max_num_seqs)
+    engine = Engine.from_pretrained(
+        args.model or settings.model, config, codec=args.codec, cache_dir=settings.cache_dir
+    )
+    if engine.is_default_model:
+        print(f"note: {UNTRAINED_NOTICE}", file=sys.stderr)
+    return engine
+
+
+def synthesize(args: argparse.Namespace) -> int:
+    engine = _engine(args)
+    reference = None
+    if args.reference:
+        data = Path(args.reference).read_bytes()
+        t0 = time.perf_counter()
+        reference = engine.encode_reference(data, args.transcript)
+        print(
+            f"reference: {len(reference.codes)} frames encoded in {time.perf_counter() - t0:.2f} s",
+            file=sys.stderr,
+        )
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        max_rows=args.max_rows,
+    )
+    engine.add_request("cli", args.text, reference=reference, params=params, audio=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    first_audio = None
+    seconds = 0.0
+    reason = "?"
+    with wave.open(str(out), "wb") as wav:  # header sizes are patched on close
+        wav.setnchannels(1)
+        wav.setsampwidth(2)
+        wav.setframerate(24000)
+        while engine.has_unfinished():
+            for event in engine.step():
+                chunk = event.audio
+                if chunk is not None:
+                    if chunk.error:
+                        print(f"\nerror: {chunk.error}", file=sys.stderr)
+                        return 1
+                    wav.writeframes(chunk.pcm)
+                    seconds += chunk.duration_s
+                    if first_audio is None and chunk.pcm:
+                        first_audio = time.perf_counter() - t0
+                    elapsed = time.perf_counter() - t0
+                    print(
+                        f"\r{chunk.index + 1} chunks, {seconds:6.2f} s of audio in "
+                        f"{elapsed:6.2f} s",
+                        end="",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                if event.finished:
+                    reason = event.finish_reason
+    elapsed = time.perf_counter() - t0
+    rtf = elapsed / seconds if seconds else float("inf")
+    first = f"{first_audio * 1e3:.0f} ms" if first_audio is not None else "-"
+    print(
+        f"\n{seconds:.2f} s of audio (finish: {reason}), first audio {first}, "
+        f"real-time factor {rtf:.2f} -> {out}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _add_common(p: argparse.ArgumentParser, max_rows: int) -> None:
+    p.add_argument("--text", required=True)
+    p.add_argument("--model", help="checkpoint dir or hub id (default: embedded default model)")
+    p.add_argument("--codec", help="standalone Higgs audio tokenizer (default: the bundled one)")
+    p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=50)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-rows", type=int, default=max_rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="clonecast", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("synthesize", help="speak a text into a WAV file, streaming")
+    _add_common(s, max_rows=2048)
+    s.add_argument("--reference", help="reference recording to clone (WAV/FLAC/OGG/MP3...)")
+    s.add_argument("--transcript", help="what the reference recording says")
+    s.add_argument("--out", default="out/speech.wav")
+    s.set_defaults(func=synthesize)
     g = sub.add_parser("generate", help="generate audio-code rows for a text")
-    g.add_argument("--text", required=True)
+    _add_common(g, max_rows=200)
     g.add_argument("--out", default="out/codes.json")
-    g.add_argument("--model", help="checkpoint dir or hub id (default: embedded default model)")
-    g.add_argument("--device", help="cpu or cuda (default: cuda when available)")
-    g.add_argument("--temperature", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=50)
-    g.add_argument("--top-p", type=float, default=0.95)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--max-rows", type=int, default=200)
     g.set_defaults(func=generate)
     args = parser.parse_args(argv)
     try:

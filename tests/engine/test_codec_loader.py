@@ -1,0 +1,130 @@
+"""Codec loading: standalone tokenizer dir or bundled in a v3 checkpoint, weight-norm
+folding, errors naming keys, and parity with transformers' decoder."""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine import ConfigError, Engine, EngineConfig, SamplingParams
+from engine.checkpoint_writer import TINY_TEXT_CONFIG, write_checkpoint, write_codec_dir
+from engine.codec.codec import Codec
+from engine.codec.config import TINY_CODEC_CONFIG, CodecConfig
+from engine.codec.loader import build_decoder, build_reference_model, load_codec_state
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def codec_dir(tmp_path_factory):
+    return write_codec_dir(tmp_path_factory.mktemp("codec"), TINY_CODEC_CONFIG, seed=4)
+
+
+def _rel(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+def test_decoder_matches_transformers_decode(codec_dir):
+    cfg, state = load_codec_state(codec_dir)
+    ours = build_decoder(cfg, state, CPU, torch.float32)
+    ref = build_reference_model(cfg, state, CPU)
+    for b, t in [(1, 8), (3, 33), (2, 1), (1, 60)]:
+        codes = torch.randint(0, 1024, (b, 8, t), generator=torch.Generator().manual_seed(t))
+        with torch.no_grad():
+            expected = ref.decode(codes, return_dict=False)
+            got = ours(codes)
+        assert got.shape == expected.shape == (b, 1, t * 960)
+        assert _rel(got, expected) <= 1e-5
+
+
+def test_bundled_codec_loads_like_the_standalone_one(codec_dir, tmp_path):
+    ckpt = write_checkpoint(
+        tmp_path / "v3", TINY_TEXT_CONFIG, seed=2, codec_config=TINY_CODEC_CONFIG
+    )
+    bundled_cfg, bundled = load_codec_state(ckpt)
+    assert bundled_cfg == CodecConfig.from_dict(TINY_CODEC_CONFIG)
+    assert any(k.startswith("acoustic_decoder.") for k in bundled)
+    engine = Engine.from_pretrained(ckpt, EngineConfig(max_num_seqs=1))
+    assert engine.codec is not None
+    # A standalone codec overrides the bundled one.
+    engine2 = Engine.from_pretrained(ckpt, EngineConfig(max_num_seqs=1), codec=codec_dir)
+    codes = torch.randint(0, 1024, (1, 8, 9))
+    a, b = engine.codec.decode(codes), engine2.codec.decode(codes)
+    assert a.shape == b.shape and not torch.equal(a, b)
+    assert torch.allclose(
+        engine2.codec.decode(codes), Codec.load(codec_dir, CPU, torch.float32, 1).decode(codes)
+    )
+
+
+def test_weight_norm_parts_are_folded(codec_dir, tmp_path):
+    state = load_file(str(codec_dir / "model.safetensors"))
+    normed = dict(state)
+    for key in [
+        k for k in state if k.startswith("acoustic_decoder.") and k.endswith("conv1.weight")
+    ]:
+        w = state[key]
+        norm = w.norm(dim=tuple(range(1, w.dim())), keepdim=True)
+        del normed[key]
+        normed[key[: -len("weight")] + "weight_g"] = norm
+        normed[key[: -len("weight")] + "weight_v"] = w / norm * 3.0  # any scale of v
+    out = shutil.copytree(codec_dir, tmp_path / "wn")
+    save_file(normed, str(out / "model.safetensors"))
+    cfg, plain = load_codec_state(codec_dir)
+    _, folded = load_codec_state(out)
+    codes = torch.randint(0, 1024, (2, 8, 12))
+    a = build_decoder(cfg, plain, CPU, torch.float32)(codes)
+    b = build_decoder(cfg, folded, CPU, torch.float32)(codes)
+    assert _rel(b, a) <= 1e-6
+
+
+def test_missing_decoder_key_is_named(codec_dir, tmp_path):
+    state = load_file(str(codec_dir / "model.safetensors"))
+    del state["quantizer.quantizers.5.project_out.bias"]
+    out = shutil.copytree(codec_dir, tmp_path / "bad")
+    save_file(state, str(out / "model.safetensors"))
+    cfg, st = load_codec_state(out)
+    with pytest.raises(ConfigError, match=r"quantizer\.quantizers\.5\.project_out\.bias"):
+        build_decoder(cfg, st, CPU, torch.float32)
+
+
+def test_codec_config_must_be_24k_hop_960_with_8_codebooks():
+    bad_hop = copy.deepcopy(TINY_CODEC_CONFIG)
+    bad_hop["acoustic_model_config"]["upsampling_ratios"] = [8, 5, 4, 2]
+    bad_hop["acoustic_model_config"]["downsampling_ratios"] = [8, 5, 4, 2]
+    with pytest.raises(ConfigError, match="hop 960"):
+        CodecConfig.from_dict(bad_hop)
+    bad_q = {**TINY_CODEC_CONFIG, "target_bandwidths": [0.5, 1, 1.5, 2, 4]}
+    with pytest.raises(ConfigError, match="8 codebooks"):
+        CodecConfig.from_dict(bad_q)
+
+
+def test_checkpoint_without_codec_and_explicit_bad_codec(tiny_ckpt, tmp_path):
+    with pytest.raises(ConfigError, match="bundles no codec"):
+        load_codec_state(tiny_ckpt)
+    engine = Engine.from_pretrained(tiny_ckpt, EngineConfig(max_num_seqs=1))
+    assert engine.codec is None  # codes only, with a warning
+    with pytest.raises(ConfigError):
+        Engine.from_pretrained(tiny_ckpt, EngineConfig(max_num_seqs=1), codec=tmp_path)
+
+
+def test_decoder_only_codec_streams_but_cannot_encode(codec_dir, tmp_path):
+    state = load_file(str(codec_dir / "model.safetensors"))
+    keep = {
+        k: v for k, v in state.items() if k.startswith(("quantizer.", "fc2.", "acoustic_decoder."))
+    }
+    out = tmp_path / "dec-only"
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(TINY_CODEC_CONFIG))
+    save_file(keep, str(out / "model.safetensors"))
+    engine = Engine.from_pretrained(
+        None, EngineConfig(max_num_seqs=1), codec=out, cache_dir=tmp_path / "c"
+    )
+    [r] = engine.generate(["hi"], params=SamplingParams(seed=1, max_rows=20))
+    assert len(r.pcm) == 12 * 1920
+    with pytest.raises(ConfigError, match="no encoder weights"):
+        engine.encode_reference(waveform=torch.randn(24000) * 0.1, sample_rate=24000)

@@ -1,0 +1,135 @@
+"""Audio streaming through Engine.step on the embedded default model (tiny random codec)."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+
+from engine import ConfigError, Engine, EngineConfig, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    cfg = EngineConfig(block_size=8, max_num_seqs=8, max_num_batched_tokens=256)
+    return Engine.from_pretrained(None, cfg, cache_dir=tmp_path_factory.mktemp("cache"))
+
+
+def _speechlike(seconds: float, rate: int, seed: int) -> bytes:
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(seconds * rate)) / rate
+    f0 = rng.uniform(100, 250)
+    x = sum(np.sin(2 * np.pi * f0 * k * t) / k for k in range(1, 6)) * np.sin(2 * np.pi * 3 * t)
+    buf = io.BytesIO()
+    sf.write(buf, (0.2 * x).astype(np.float32), rate, format="FLAC")
+    return buf.getvalue()
+
+
+def _collect(engine, rid):
+    events = []
+    while engine.has_unfinished():
+        events += [e for e in engine.step() if e.request_id == rid]
+    return events
+
+
+def test_chunks_stream_with_exact_sizes_and_timestamps(engine):
+    engine.add_request("s", "Stream me.", params=SamplingParams(seed=3, max_rows=75))
+    events = _collect(engine, "s")
+    chunks = [e.audio for e in events if e.audio is not None]
+    sizes = [len(c.pcm) for c in chunks]
+    # 75 rows at the cap -> 67 frames: 8 + 25 + 25 + 9.
+    assert sizes == [15_360, 48_000, 48_000, 9 * 1920]
+    assert [c.index for c in chunks] == [0, 1, 2, 3]
+    assert [c.is_last for c in chunks] == [False, False, False, True]
+    assert [(c.start_frame, c.end_frame) for c in chunks] == [(0, 8), (8, 33), (33, 58), (58, 67)]
+    first_row = next(i for i, e in enumerate(events) if e.new_rows)
+    first_chunk = next(i for i, e in enumerate(events) if e.audio is not None)
+    assert first_chunk - first_row == 14  # prefill row + 14 decode rows
+    for c in chunks:
+        assert c.arrival_time <= c.first_row_time <= c.ready_time
+    assert events[-1].finished and events[-1].audio is chunks[-1]
+
+
+def test_generate_returns_the_concatenated_stream(engine):
+    [r] = engine.generate(["Whole."], params=SamplingParams(seed=5, max_rows=40))
+    assert len(r.pcm) == (40 - 8) * 1920
+    assert np.abs(np.frombuffer(r.pcm, "<i2")).max() > 0
+
+
+def test_codes_only_requests_carry_no_audio(engine):
+    engine.add_request(
+        "codes", "No audio.", params=SamplingParams(seed=1, max_rows=20), audio=False
+    )
+    assert all(e.audio is None for e in _collect(engine, "codes"))
+
+
+def test_voice_cache_hit_skips_encoding_and_prefix_reuse_skips_prefill(engine):
+    data = _speechlike(3.0, 16000, seed=1)
+    before = engine.stats
+    voice = engine.encode_reference(data, "what the reference says")
+    again = engine.encode_reference(data, "what the reference says")
+    assert again == voice
+    mid = engine.stats
+    assert mid.num_voice_encodes == before.num_voice_encodes + 1
+    assert mid.num_voice_cache_hits == before.num_voice_cache_hits + 1
+    assert len(voice.codes) == 75  # 3 s at 25 frames/s
+    engine.generate(
+        ["First sentence."], references=[voice], params=SamplingParams(seed=1, max_rows=9)
+    )
+    first_prefill = engine.stats.num_prefill_tokens_computed - mid.num_prefill_tokens_computed
+    mid2 = engine.stats
+    engine.generate(["Second one."], references=[again], params=SamplingParams(seed=2, max_rows=9))
+    second_prefill = engine.stats.num_prefill_tokens_computed - mid2.num_prefill_tokens_computed
+    assert engine.stats.num_prefix_cached_tokens - mid2.num_prefix_cached_tokens >= 80
+    assert second_prefill < first_prefill / 3
+
+
+def test_bad_reference_audio_is_a_clear_error(engine):
+    with pytest.raises(ConfigError) as err:
+        engine.encode_reference(b"definitely not audio" * 50)
+    assert err.value.code == "audio_undecodable"
+
+
+def test_codec_failure_ends_only_that_request(engine, monkeypatch):
+    decoder = engine.codec.chunks.decoder
+    original = decoder.forward
+
+    def poisoned(codes):
+        audio = original(codes)
+        bad = (codes[:, 0, -1] == codes[:, 0, -1]) & (torch.arange(len(codes)) == 0)
+        return torch.where(bad[:, None, None], torch.nan, audio)  # first window of each batch
+
+    monkeypatch.setattr(decoder, "forward", poisoned)
+    engine.add_request("victim", "one", params=SamplingParams(seed=1, max_rows=40))
+    engine.add_request("fine", "two", params=SamplingParams(seed=2, max_rows=40))
+    finals = {}
+    while engine.has_unfinished():
+        for e in engine.step():
+            if e.finished:
+                finals[e.request_id] = e
+    monkeypatch.undo()
+    assert finals["victim"].finish_reason == "error"
+    assert finals["victim"].audio.error and finals["victim"].audio.is_last
+    assert finals["fine"].finish_reason == "length"
+    assert engine.stats.num_free_kv_blocks == engine.stats.num_kv_blocks
+
+
+def test_abort_mid_stream_stops_audio_and_frees_blocks(engine):
+    engine.add_request("ab", "abort me", params=SamplingParams(seed=1, max_rows=200))
+    for _ in range(20):
+        engine.step()
+    assert engine.abort("ab")
+    assert engine.step() == []
+    assert engine.stats.num_free_kv_blocks == engine.stats.num_kv_blocks
+
+
+def test_engine_without_codec_rejects_audio_requests(tiny_ckpt):
+    engine = Engine.from_pretrained(tiny_ckpt, EngineConfig(max_num_seqs=2))
+    assert engine.codec is None
+    with pytest.raises(ConfigError, match="no codec"):
+        engine.add_request("a", "text", audio=True)
+    engine.add_request("b", "text", params=SamplingParams(max_rows=2))  # codes only by default
+    assert len(engine.generate(["x"], params=SamplingParams(max_rows=2))[0].rows) == 2
