@@ -60,8 +60,8 @@ def decode_audio(data: bytes, limits: AudioLimits = AudioLimits()) -> torch.Tens
     except Exception as exc:
         raise ReferenceAudioError(
             "audio_undecodable",
-            "the reference audio could not be decoded (supported: WAV, FLAC, OGG/Vorbis, "
-            f"OGG/Opus, MP3, AIFF): {exc}",
+            "the reference audio could not be decoded: it is corrupt or not a supported "
+            "format (WAV, FLAC, OGG/Vorbis, OGG/Opus, MP3, AIFF)",
         ) from exc
     return prepare_waveform(torch.from_numpy(samples.T.copy()), rate, limits)
 
@@ -108,7 +108,7 @@ def prepare_waveform(
 
 def fit_to_frames(mono: torch.Tensor) -> torch.Tensor:
     """Pads (zeros) or trims to a multiple of 960 samples: the nearest whole frame count."""
-    frames = max(1, round(mono.shape[0] / HOP))
+    frames = max(1, int(mono.shape[0] / HOP + 0.5))  # halves round up
     target = frames * HOP
     if mono.shape[0] >= target:
         return mono[:target].contiguous()
