@@ -143,9 +143,45 @@ def _add_common(p: argparse.ArgumentParser, max_rows: int) -> None:
     p.add_argument("--max-rows", type=int, default=max_rows)
 
 
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from service.app import create_app
+
+    settings = ServiceSettings.from_env(
+        model=args.model, codec=args.codec, device=args.device, host=args.host, port=args.port
+    )
+    app = create_app(settings)
+    print(
+        f"clonecast: loading {settings.model or 'the embedded default model (untrained)'}; "
+        f"serving on http://{settings.host}:{settings.port} "
+        f"(WebSocket ws://{settings.host}:{settings.port}/v1/stream)",
+        file=sys.stderr,
+        flush=True,
+    )
+    uvicorn.run(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=args.log_level,
+        ws_max_size=2 * settings.limits.max_message_bytes,
+        ws_ping_interval=20.0,
+        ws_ping_timeout=20.0,
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="clonecast", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    v = sub.add_parser("serve", help="run the WebSocket/HTTP service")
+    v.add_argument("--model", help="checkpoint dir or hub id (default: embedded default model)")
+    v.add_argument("--codec", help="standalone Higgs audio tokenizer (default: the bundled one)")
+    v.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    v.add_argument("--host", help="bind address (default 127.0.0.1)")
+    v.add_argument("--port", type=int, help="port (default 8737)")
+    v.add_argument("--log-level", default="info")
+    v.set_defaults(func=serve)
     s = sub.add_parser("synthesize", help="speak a text into a WAV file, streaming")
     _add_common(s, max_rows=2048)
     s.add_argument("--reference", help="reference recording to clone (WAV/FLAC/OGG/MP3...)")

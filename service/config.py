@@ -1,28 +1,86 @@
-"""Service settings: the only module that reads environment variables.
+"""Service settings: defaults in one place, and the only module that reads environment
+variables (all named CLONECAST_*).
 
-CLONECAST_MODEL (checkpoint dir or hub id; unset = embedded default), CLONECAST_DEVICE
-(cpu/cuda; unset = cuda when available), CLONECAST_CACHE_DIR (where the default model is
-written; unset = ~/.cache/clonecast).
+| variable | meaning |
+|---|---|
+| CLONECAST_MODEL | checkpoint dir or hub id (unset: the embedded default model) |
+| CLONECAST_CODEC | standalone Higgs audio tokenizer dir (unset: the checkpoint's bundled codec) |
+| CLONECAST_DEVICE | cpu / cuda (unset: cuda when available) |
+| CLONECAST_CACHE_DIR | where the default model is written (unset: ~/.cache/clonecast) |
+| CLONECAST_HOST, CLONECAST_PORT | bind address (127.0.0.1, 8737) |
+| CLONECAST_API_KEYS | comma-separated keys; unset: no authentication |
+| CLONECAST_ALLOWED_ORIGINS | comma-separated browser origins; unset: any |
+| CLONECAST_MAX_CONNECTIONS, CLONECAST_MAX_NUM_SEQS | capacity |
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+
+DEFAULT_PORT = 8737
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_message_bytes: int = 8 * 1024 * 1024  # one JSON text frame (base64 audio inside)
+    max_upload_bytes: int = 10 * 1024 * 1024  # one reference recording
+    max_text_chars: int = 5000  # one utterance, all appends together
+    max_utterances: int = 8  # running at once on one connection
+    max_connections: int = 256
+    max_waiting_requests: int = 1024  # engine queue depth before over_capacity
+    idle_timeout_s: float = 60.0
+    max_buffered_audio_bytes: int = 4 * 1024 * 1024  # unsent audio per utterance
+    max_voices: int = 1000
+    max_segment_chars: int = 300
+
+    def __post_init__(self) -> None:
+        for name in (
+            "max_message_bytes",
+            "max_upload_bytes",
+            "max_text_chars",
+            "max_utterances",
+            "max_connections",
+            "max_buffered_audio_bytes",
+            "max_voices",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.idle_timeout_s <= 0:
+            raise ValueError("idle_timeout_s must be > 0")
 
 
 @dataclass(frozen=True)
 class ServiceSettings:
-    model: str | None
-    device: str | None
-    cache_dir: Path | None
+    model: str | None = None
+    codec: str | None = None
+    device: str | None = None
+    cache_dir: Path | None = None
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    api_keys: tuple[str, ...] = ()
+    allowed_origins: tuple[str, ...] = ()
+    max_num_seqs: int = 64
+    limits: Limits = field(default_factory=Limits)
 
     @classmethod
-    def from_env(cls) -> ServiceSettings:
-        cache = os.environ.get("CLONECAST_CACHE_DIR")
-        return cls(
-            model=os.environ.get("CLONECAST_MODEL") or None,
-            device=os.environ.get("CLONECAST_DEVICE") or None,
-            cache_dir=Path(cache) if cache else None,
+    def from_env(cls, **overrides) -> ServiceSettings:
+        env = os.environ
+        base = cls(
+            model=env.get("CLONECAST_MODEL") or None,
+            codec=env.get("CLONECAST_CODEC") or None,
+            device=env.get("CLONECAST_DEVICE") or None,
+            cache_dir=Path(env["CLONECAST_CACHE_DIR"]) if env.get("CLONECAST_CACHE_DIR") else None,
+            host=env.get("CLONECAST_HOST", "127.0.0.1"),
+            port=int(env.get("CLONECAST_PORT", DEFAULT_PORT)),
+            api_keys=_split(env.get("CLONECAST_API_KEYS")),
+            allowed_origins=_split(env.get("CLONECAST_ALLOWED_ORIGINS")),
+            max_num_seqs=int(env.get("CLONECAST_MAX_NUM_SEQS", 64)),
+            limits=Limits(max_connections=int(env.get("CLONECAST_MAX_CONNECTIONS", 256))),
         )
+        return replace(base, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def _split(value: str | None) -> tuple[str, ...]:
+    return tuple(v.strip() for v in (value or "").split(",") if v.strip())

@@ -1,0 +1,158 @@
+"""The Starlette application: builds the engine and its worker thread at start-up, warms it
+up before `/ready`, and serves the WebSocket protocol and the HTTP API."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.routing import Route, WebSocketRoute
+
+from engine import UNTRAINED_NOTICE, ConfigError, Engine, EngineConfig, SamplingParams
+from service.config import ServiceSettings
+from service.http_api import (
+    health,
+    list_voices,
+    metrics,
+    ready,
+    speech,
+    voice_create,
+    voice_delete,
+    voice_get,
+)
+from service.metrics import Metrics
+from service.voices import Voice, VoiceStore, voice_id_for
+from service.worker import EngineWorker
+from service.ws import stream_endpoint
+
+log = logging.getLogger("clonecast.app")
+
+
+class Services:
+    """Everything the handlers share: settings, engine worker, voices, metrics."""
+
+    def __init__(self, settings: ServiceSettings, engine: Engine | None = None):
+        self.settings = settings
+        self.metrics = Metrics()
+        self.voices = VoiceStore(settings.limits.max_voices)
+        self.engine = engine
+        self.worker: EngineWorker | None = None
+        self.is_ready = False
+        self.connections = 0
+
+    def start(self) -> None:
+        if self.engine is None:
+            self.engine = Engine.from_pretrained(
+                self.settings.model,
+                EngineConfig(
+                    device=_device(self.settings.device),
+                    max_num_seqs=self.settings.max_num_seqs,
+                    max_num_batched_tokens=max(512, self.settings.max_num_seqs),
+                ),
+                codec=self.settings.codec,
+                cache_dir=self.settings.cache_dir,
+            )
+        if self.engine.codec is None:
+            raise ConfigError(
+                "the service needs a codec: the checkpoint bundles none; set CLONECAST_CODEC"
+            )
+        self.worker = EngineWorker(self.engine, on_step=self._on_step)
+        self.worker.start()
+
+    def _on_step(self, seconds: float, outputs: int) -> None:
+        self.metrics.step.observe(seconds)
+        self.metrics.update_engine(self.engine.stats)
+
+    async def warm_up(self) -> None:
+        """One short request end to end, so the first client does not pay for lazy set-up."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+
+        def sink(out):
+            if isinstance(out, BaseException) or out.finished:
+                loop.call_soon_threadsafe(lambda: done.done() or done.set_result(out))
+
+        params = SamplingParams(seed=0, max_rows=24)
+        await asyncio.wrap_future(self.worker.submit("warm-up", "Warming up.", None, params, sink))
+        result = await done
+        if isinstance(result, BaseException):
+            raise result
+        self.metrics.update_engine(self.engine.stats)
+        self.is_ready = True
+
+    async def create_voice(self, data: bytes, transcript: str | None) -> tuple[Voice, bool]:
+        """Registers a voice from reference audio bytes; (voice, was already registered)."""
+        voice_id = voice_id_for(data, transcript)
+        existing = self.voices.get(voice_id)
+        if existing is not None:
+            return existing, True
+        loop = asyncio.get_running_loop()
+        reference = await loop.run_in_executor(
+            self.worker.encoder_pool, lambda: self.engine.encode_reference(data, transcript)
+        )
+        self.metrics.update_engine(self.engine.stats)
+        return self.voices.put(voice_id, reference), False
+
+    def model_info(self) -> dict:
+        untrained = bool(self.engine and self.engine.is_default_model)
+        return {
+            "name": "embedded-default (untrained)" if untrained else str(self.engine.checkpoint),
+            "untrained": untrained,
+            "notice": UNTRAINED_NOTICE if untrained else None,
+        }
+
+    def stop(self) -> None:
+        if self.worker is not None:
+            self.worker.stop()
+
+
+def _device(requested: str | None) -> str:
+    if requested:
+        return requested
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def create_app(settings: ServiceSettings | None = None, engine: Engine | None = None) -> Starlette:
+    settings = settings or ServiceSettings.from_env()
+    services = Services(settings, engine)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        await asyncio.get_running_loop().run_in_executor(None, services.start)
+        await services.warm_up()
+        log.info("clonecast ready: %s", services.model_info()["name"])
+        try:
+            yield
+        finally:
+            services.stop()
+
+    routes = [
+        WebSocketRoute("/v1/stream", stream_endpoint),
+        Route("/v1/audio/speech", speech, methods=["POST"]),
+        Route("/v1/voices", voice_create, methods=["POST"]),
+        Route("/v1/voices", list_voices, methods=["GET"]),
+        Route("/v1/voices/{voice_id}", voice_get, methods=["GET"]),
+        Route("/v1/voices/{voice_id}", voice_delete, methods=["DELETE"]),
+        Route("/health", health),
+        Route("/ready", ready),
+        Route("/metrics", metrics),
+    ]
+    middleware = []
+    if settings.allowed_origins:
+        middleware.append(
+            Middleware(
+                CORSMiddleware,
+                allow_origins=list(settings.allowed_origins),
+                allow_methods=["GET", "POST", "DELETE"],
+                allow_headers=["*"],
+            )
+        )
+    app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
+    app.state.services = services
+    return app

@@ -1,0 +1,229 @@
+"""HTTP endpoints: OpenAI-style `POST /v1/audio/speech`, voice registration, health,
+readiness and Prometheus metrics. Errors are `{"error": {"code", "message"}}`."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import json
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from engine import ConfigError, SamplingParams
+from service.audio_format import OutputFormat, StreamEncoder, wav_header
+from service.auth import extract_key, key_allowed
+from service.text_segments import split_text
+
+MEDIA_TYPES = {
+    "wav": "audio/wav",
+    "pcm16": "audio/pcm",
+    "f32": "audio/x-f32le",
+    "mulaw": "audio/basic",
+}
+FORMAT_ALIASES = {"wav": "wav", "pcm": "pcm16", "pcm16": "pcm16", "f32": "f32", "mulaw": "mulaw"}
+STATUS = {
+    "unauthorized": 401,
+    "unknown_voice": 404,
+    "message_too_large": 413,
+    "over_capacity": 503,
+    "not_ready": 503,
+}
+
+
+def error(code: str, message: str, status: int | None = None) -> JSONResponse:
+    return JSONResponse(
+        {"error": {"code": code, "message": message}}, status_code=status or STATUS.get(code, 400)
+    )
+
+
+def _services(request: Request):
+    return request.app.state.services
+
+
+def _authorized(request: Request) -> bool:
+    key = extract_key(request.headers, request.query_params, [])
+    return key_allowed(key, _services(request).settings.api_keys)
+
+
+async def health(request: Request) -> Response:
+    return JSONResponse({"status": "ok"})
+
+
+async def ready(request: Request) -> Response:
+    services = _services(request)
+    if not services.is_ready:
+        return error("not_ready", "the model is loading or warming up")
+    return JSONResponse({"status": "ready", "model": services.model_info()})
+
+
+async def metrics(request: Request) -> Response:
+    services = _services(request)
+    if services.engine is not None:
+        services.metrics.update_engine(services.engine.stats)
+    return Response(services.metrics.render(), media_type="text/plain; version=0.0.4")
+
+
+async def voice_create(request: Request) -> Response:
+    if not _authorized(request):
+        return error("unauthorized", "a valid API key is required")
+    services = _services(request)
+    limit = services.settings.limits.max_upload_bytes
+    if int(request.headers.get("content-length") or 0) > limit * 4 // 3 + 4096:
+        return error("message_too_large", f"reference uploads are limited to {limit} bytes")
+    body = await request.body()
+    transcript = request.query_params.get("transcript")
+    if request.headers.get("content-type", "").startswith("application/json"):
+        try:
+            payload = json.loads(body)
+            data = base64.b64decode(payload["audio_b64"], validate=True)
+            transcript = payload.get("transcript", transcript)
+        except (json.JSONDecodeError, KeyError, TypeError, binascii.Error, ValueError):
+            return error(
+                "bad_request", 'send JSON {"audio_b64": ..., "transcript": ...} or a raw audio body'
+            )
+    else:
+        data = body
+    if len(data) > limit:
+        return error("message_too_large", f"reference uploads are limited to {limit} bytes")
+    try:
+        voice, cached = await services.create_voice(data, transcript)
+    except ConfigError as exc:
+        return error(getattr(exc, "code", "bad_request"), str(exc))
+    return JSONResponse({**voice.describe(), "cached": cached}, status_code=200 if cached else 201)
+
+
+async def list_voices(request: Request) -> Response:
+    if not _authorized(request):
+        return error("unauthorized", "a valid API key is required")
+    return JSONResponse({"voices": [v.describe() for v in _services(request).voices.list()]})
+
+
+async def voice_get(request: Request) -> Response:
+    if not _authorized(request):
+        return error("unauthorized", "a valid API key is required")
+    voice = _services(request).voices.get(request.path_params["voice_id"])
+    if voice is None:
+        return error("unknown_voice", f"no voice {request.path_params['voice_id']!r}")
+    return JSONResponse(voice.describe())
+
+
+async def voice_delete(request: Request) -> Response:
+    if not _authorized(request):
+        return error("unauthorized", "a valid API key is required")
+    if not _services(request).voices.delete(request.path_params["voice_id"]):
+        return error("unknown_voice", f"no voice {request.path_params['voice_id']!r}")
+    return Response(status_code=204)
+
+
+async def speech(request: Request) -> Response:
+    """OpenAI-style speech: `{"input", "voice", "response_format", "stream"}` plus our extras."""
+    if not _authorized(request):
+        return error("unauthorized", "a valid API key is required")
+    services = _services(request)
+    try:
+        body = await request.json()
+        if not isinstance(body, dict):
+            raise ValueError
+    except (json.JSONDecodeError, ValueError, UnicodeDecodeError):
+        return error("bad_json", "the body must be a JSON object")
+    try:
+        job = _speech_job(body, services)
+    except ConfigError as exc:
+        return error(getattr(exc, "code", "bad_parameter"), str(exc))
+    if services.worker.num_waiting >= services.settings.limits.max_waiting_requests:
+        return error("over_capacity", "the server is at capacity: retry shortly")
+    fmt, stream = job["format"], bool(body.get("stream", False))
+    chunks = _generate(services, job)
+    if stream:
+        return StreamingResponse(chunks, media_type=MEDIA_TYPES[fmt.format])
+    parts = []
+    try:
+        async for part in chunks:
+            parts.append(part)
+    except ConfigError as exc:
+        return error("generation_failed", str(exc), 500)
+    audio = b"".join(parts)
+    if fmt.format == "wav":  # a proper header with sizes for a complete file
+        audio = wav_header(fmt.sample_rate, len(audio) - 44) + audio[44:]
+    return Response(audio, media_type=MEDIA_TYPES[fmt.format])
+
+
+class _BadInput(ConfigError):
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def _speech_job(body: dict, services) -> dict:
+    text = body.get("input")
+    limits = services.settings.limits
+    if not isinstance(text, str) or not text.strip():
+        raise _BadInput("empty_text", "'input' must be a non-empty string")
+    if len(text) > limits.max_text_chars:
+        raise _BadInput(
+            "text_too_long", f"'input' is limited to {limits.max_text_chars} characters"
+        )
+    if body.get("speed", 1.0) != 1.0:
+        raise _BadInput("bad_parameter", "'speed' is not supported (only 1.0)")
+    voice_name = body.get("voice", "default")
+    reference = None
+    if voice_name not in (None, "default"):
+        voice = services.voices.get(voice_name)
+        if voice is None:
+            raise _BadInput(
+                "unknown_voice", f"no voice {voice_name!r}: create it with POST /v1/voices"
+            )
+        reference = voice.reference
+    fmt_name = FORMAT_ALIASES.get(body.get("response_format", "wav"))
+    if fmt_name is None:
+        raise _BadInput("bad_parameter", f"response_format must be one of {sorted(FORMAT_ALIASES)}")
+    try:
+        spec = {"format": fmt_name}
+        if "sample_rate" in body:
+            spec["sample_rate"] = body["sample_rate"]
+        fmt = OutputFormat.parse(spec)
+        sampling = {k: body[k] for k in ("temperature", "top_k", "top_p", "seed") if k in body}
+        if "max_duration_s" in body:
+            sampling["max_rows"] = min(2048, int(float(body["max_duration_s"]) * 25) + 8)
+        params = SamplingParams.from_dict(sampling)
+    except (ValueError, TypeError, ConfigError) as exc:
+        raise _BadInput("bad_parameter", str(exc)) from exc
+    return {
+        "segments": split_text(text, limits.max_segment_chars),
+        "reference": reference,
+        "params": params,
+        "format": fmt,
+    }
+
+
+async def _generate(services, job: dict):
+    """Runs the segments one after another; yields encoded audio as it is produced. Closing
+    the generator (the client went away) aborts the running request."""
+    loop = asyncio.get_running_loop()
+    encoder = StreamEncoder(job["format"])
+    for index, text in enumerate(job["segments"]):
+        queue: asyncio.Queue = asyncio.Queue()
+        request_id = f"http/{id(queue)}/{index}"
+
+        def sink(out, queue=queue):
+            loop.call_soon_threadsafe(queue.put_nowait, out)
+
+        await asyncio.wrap_future(
+            services.worker.submit(request_id, text, job["reference"], job["params"], sink)
+        )
+        finished = False
+        try:
+            while not finished:
+                out = await queue.get()
+                if isinstance(out, BaseException) or out.finish_reason == "error":
+                    detail = out if isinstance(out, BaseException) else out.audio.error
+                    raise ConfigError(f"generation failed: {detail}")
+                if out.audio is not None and out.audio.pcm:
+                    yield encoder.encode(out.audio.pcm)
+                finished = out.finished
+        finally:
+            if not finished:
+                services.worker.abort(request_id)
+    yield encoder.finish()

@@ -1,0 +1,431 @@
+"""One WebSocket connection speaking `clonecast.v1` (docs/protocol.md): parses client
+messages, runs utterances through the engine worker, and sends their audio with one sender
+task whose queue is bounded per utterance (a slow reader ends its own utterance, not the
+server). A disconnect cancels everything the connection started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import json
+import logging
+import math
+import time
+import uuid
+
+from starlette.websockets import WebSocket
+
+from engine import ConfigError, RequestOutput, SamplingParams
+from service.audio_format import OutputFormat
+from service.protocol import ProtocolError, parse_message
+from service.text_segments import SegmentBuffer, split_text
+from service.utterance import State, Utterance
+from service.wire import pack_audio
+
+log = logging.getLogger("clonecast.session")
+
+
+class Session:
+    def __init__(self, ws: WebSocket, services):
+        self.ws = ws
+        self.services = services
+        self.limits = services.settings.limits
+        self.id = "s_" + uuid.uuid4().hex[:12]
+        self.utterances: dict[str, Utterance] = {}
+        self.buffers: dict[str, SegmentBuffer] = {}
+        self.by_request: dict[str, tuple[Utterance, int]] = {}
+        self.outbox: asyncio.Queue = asyncio.Queue()
+        self.loop = asyncio.get_running_loop()
+        self.pending_upload: dict | None = None
+        self.closed = False
+
+    # -- outgoing ----------------------------------------------------------------------------
+
+    def send_json(self, message: dict) -> None:
+        self.outbox.put_nowait(("json", None, message, b""))
+
+    def send_error(self, code: str, message: str, uid: str | None = None, **extra) -> None:
+        self.services.metrics.errors.labels(code).inc()
+        payload = {"type": "error", "code": code, "message": message, **extra}
+        if uid is not None:
+            payload["id"] = uid
+        self.send_json(payload)
+
+    def _queue_audio(self, utt: Utterance, data: bytes, last: bool, start_ms, end_ms) -> None:
+        header = {
+            "type": "audio",
+            "id": utt.id,
+            "seq": utt.seq,
+            "bytes": len(data),
+            "start_ms": start_ms,
+            "end_ms": end_ms,
+            "format": utt.format.format,
+            "sample_rate": utt.format.sample_rate,
+            "last": last,
+        }
+        frame = pack_audio(utt.id, utt.seq, last, data)
+        utt.seq += 1
+        utt.buffered_bytes += len(frame)
+        self.outbox.put_nowait(("audio", utt, header, frame))
+        if utt.buffered_bytes > self.limits.max_buffered_audio_bytes:
+            self._end(utt, State.FAILED)
+            self.send_error(
+                "slow_consumer",
+                f"more than {self.limits.max_buffered_audio_bytes} "
+                "bytes of audio waited for this client; the utterance was ended",
+                utt.id,
+            )
+
+    async def sender(self) -> None:
+        """The only writer of the socket: JSON, then each audio frame after its header."""
+        metrics = self.services.metrics
+        while True:
+            kind, utt, message, frame = await self.outbox.get()
+            if kind == "json":
+                await self.ws.send_text(json.dumps(message))
+                continue
+            utt.buffered_bytes -= len(frame)
+            if utt.state in (State.CANCELLED, State.FAILED):
+                continue  # never send audio after a cancel acknowledgement or a failure
+            await self.ws.send_text(json.dumps(message))
+            await self.ws.send_bytes(frame)
+            now, stats = time.monotonic(), utt.stats
+            if message["bytes"]:
+                if stats.first_audio is None:
+                    stats.first_audio = now
+                    metrics.first_audio.observe(now - stats.started)
+                elif now > stats.first_audio + stats.audio_s:
+                    stats.underruns += 1
+                    metrics.underruns.inc()
+                seconds = message["bytes"] / utt.format.bytes_per_sample / utt.format.sample_rate
+                stats.audio_s += seconds
+                stats.chunks += 1
+                stats.bytes += message["bytes"]
+                metrics.audio_seconds.inc(seconds)
+            if message["last"]:
+                self._send_done(utt)
+
+    def _send_done(self, utt: Utterance) -> None:
+        stats = utt.stats.as_dict(len(utt.segments))
+        metrics = self.services.metrics
+        metrics.e2e.observe(stats["elapsed_s"])
+        if stats["rtf"] is not None:
+            metrics.rtf.observe(stats["rtf"])
+        metrics.requests.labels(utt.finish_reason).inc()
+        self.send_json({"type": "done", "id": utt.id, "reason": utt.finish_reason, "stats": stats})
+
+    # -- incoming ----------------------------------------------------------------------------
+
+    async def on_text(self, text: str) -> None:
+        if len(text.encode()) > self.limits.max_message_bytes:
+            self.send_error(
+                "message_too_large",
+                f"text frames are limited to {self.limits.max_message_bytes} bytes",
+            )
+            return
+        try:
+            message = parse_message(text)
+            await getattr(self, "_on_" + message["type"].replace(".", "_"))(message)
+        except ProtocolError as exc:
+            self.send_error(exc.code, str(exc), exc.uid)
+
+    async def on_bytes(self, data: bytes) -> None:
+        upload, self.pending_upload = self.pending_upload, None
+        if upload is None:
+            self.send_error(
+                "unexpected_binary", "binary frames are only accepted after voice.upload"
+            )
+            return
+        if len(data) != upload["bytes"]:
+            self.send_error(
+                "bad_request",
+                f"voice.upload announced {upload['bytes']} bytes, got {len(data)}",
+                request_id=upload.get("request_id"),
+            )
+            return
+        await self._create_voice(data, upload.get("transcript"), upload.get("request_id"))
+
+    async def _on_ping(self, message: dict) -> None:
+        self.send_json({"type": "pong", "t": time.time()})
+
+    async def _on_voice_create(self, message: dict) -> None:
+        data = _b64(message.get("audio_b64"), "audio_b64", self.limits.max_upload_bytes)
+        await self._create_voice(data, message.get("transcript"), message.get("request_id"))
+
+    async def _on_voice_upload(self, message: dict) -> None:
+        size = message.get("bytes")
+        if not isinstance(size, int) or size < 1:
+            raise ProtocolError(
+                "bad_request", "voice.upload needs 'bytes': the size of the binary frame"
+            )
+        if size > self.limits.max_upload_bytes:
+            raise ProtocolError(
+                "message_too_large",
+                f"reference uploads are limited to {self.limits.max_upload_bytes} bytes",
+            )
+        self.pending_upload = message
+
+    async def _create_voice(self, data: bytes, transcript: str | None, request_id) -> None:
+        try:
+            voice, cached = await self.services.create_voice(data, transcript)
+        except ConfigError as exc:
+            self.send_error(getattr(exc, "code", "bad_request"), str(exc), request_id=request_id)
+            return
+        self.send_json(
+            {
+                "type": "voice.created",
+                **voice.describe(),
+                "cached": cached,
+                "request_id": request_id,
+            }
+        )
+
+    async def _on_speak(self, message: dict) -> None:
+        text = _text(message, self.limits.max_text_chars)
+        utt = await self._open(message, flushed=True)
+        utt.text_chars = len(text)
+        utt.add_segments(split_text(text, self.limits.max_segment_chars))
+        self.send_json({"type": "started", "id": utt.id, "segments": len(utt.segments)})
+        await self._start_when_voiced(utt, message)
+
+    async def _on_append(self, message: dict) -> None:
+        uid = message.get("id")
+        text = message.get("text")
+        if not isinstance(text, str):
+            raise ProtocolError("bad_request", "append needs 'text' (a string)", uid)
+        utt = self.utterances.get(uid) if isinstance(uid, str) else None
+        if utt is None:
+            utt = await self._open(message, flushed=False)
+            self.buffers[utt.id] = SegmentBuffer(self.limits.max_segment_chars)
+            self.send_json({"type": "started", "id": utt.id, "segments": 0})
+            first = True
+        else:
+            if utt.flushed:
+                raise ProtocolError(
+                    "unknown_id", f"utterance {uid!r} was flushed: open a new one", uid
+                )
+            first = False
+        utt.text_chars += len(text)
+        if utt.text_chars > self.limits.max_text_chars:
+            self._end(utt, State.FAILED)
+            raise ProtocolError(
+                "text_too_long",
+                f"an utterance is limited to {self.limits.max_text_chars} characters",
+                uid,
+            )
+        utt.add_segments(self.buffers[utt.id].append(text))
+        if first:
+            await self._start_when_voiced(utt, message)
+        else:
+            self._pump(utt)
+
+    async def _on_flush(self, message: dict) -> None:
+        uid = message.get("id")
+        utt = self.utterances.get(uid) if isinstance(uid, str) else None
+        if utt is None or utt.flushed:
+            raise ProtocolError(
+                "unknown_id",
+                f"no open utterance {uid!r} to flush",
+                uid if isinstance(uid, str) else None,
+            )
+        utt.add_segments(self.buffers.pop(utt.id).flush())
+        utt.flushed = True
+        if not utt.segments:
+            self._end(utt, State.FAILED)
+            raise ProtocolError("empty_text", "nothing to speak: the utterance has no words", uid)
+        self.send_json({"type": "flushed", "id": uid})
+        self._pump(utt)
+
+    async def _on_cancel(self, message: dict) -> None:
+        uid = message.get("id")
+        utt = self.utterances.get(uid) if isinstance(uid, str) else None
+        if utt is None:
+            raise ProtocolError(
+                "unknown_id",
+                f"no running utterance {uid!r} to cancel",
+                uid if isinstance(uid, str) else None,
+            )
+        self._end(utt, State.CANCELLED)
+        self.send_json({"type": "cancelled", "id": uid})
+
+    # -- utterances --------------------------------------------------------------------------
+
+    async def _open(self, message: dict, flushed: bool) -> Utterance:
+        uid = message.get("id")
+        if not isinstance(uid, str) or not uid or len(uid.encode()) > 255:
+            raise ProtocolError(
+                "bad_request", "'id' must be a non-empty string of at most 255 bytes"
+            )
+        if uid in self.utterances:
+            raise ProtocolError("duplicate_id", f"utterance {uid!r} is already running", uid)
+        if len(self.utterances) >= self.limits.max_utterances:
+            raise ProtocolError(
+                "too_many_utterances",
+                f"at most {self.limits.max_utterances} utterances may run at once",
+                uid,
+            )
+        if self.services.worker.num_waiting >= self.limits.max_waiting_requests:
+            raise ProtocolError("over_capacity", "the server is at capacity: retry shortly", uid)
+        params, fmt = _params(message, uid)
+        voice = None
+        if message.get("voice_id") is not None:
+            found = self.services.voices.get(message["voice_id"])
+            if found is None:
+                raise ProtocolError(
+                    "unknown_voice", f"no voice {message['voice_id']!r}: create it first", uid
+                )
+            voice = found.reference
+        utt = Utterance(uid, voice, params, fmt, flushed)
+        self.utterances[uid] = utt
+        return utt
+
+    async def _start_when_voiced(self, utt: Utterance, message: dict) -> None:
+        inline = message.get("voice")
+        if inline is not None:
+            if not isinstance(inline, dict):
+                self._end(utt, State.FAILED)
+                raise ProtocolError(
+                    "bad_request", "'voice' must be an object with audio_b64", utt.id
+                )
+            utt.ready = False
+            try:
+                data = _b64(
+                    inline.get("audio_b64"), "voice.audio_b64", self.limits.max_upload_bytes, utt.id
+                )
+                voice, _ = await self.services.create_voice(data, inline.get("transcript"))
+            except ConfigError as exc:
+                self._end(utt, State.FAILED)
+                raise ProtocolError(getattr(exc, "code", "bad_request"), str(exc), utt.id) from exc
+            except ProtocolError:
+                self._end(utt, State.FAILED)
+                raise
+            if utt.state is not State.RUNNING:
+                return  # cancelled while the voice was encoding
+            utt.voice, utt.ready = voice.reference, True
+        self._pump(utt)
+
+    def _pump(self, utt: Utterance) -> None:
+        """Starts segments that may run, sends audio that may go out, finishes when done."""
+        for seg in utt.to_submit():
+            seg.request_id = f"{self.id}/{utt.id}/{seg.index}/{uuid.uuid4().hex[:6]}"
+            self.by_request[seg.request_id] = (utt, seg.index)
+            future = self.services.worker.submit(
+                seg.request_id, seg.text, utt.voice, utt.params, self._sink(seg.request_id)
+            )
+            future.add_done_callback(lambda f, rid=seg.request_id: self._submitted(f, rid))
+        for data, chunk in utt.next_audio():
+            start = round(chunk.start_frame * 40)
+            self._queue_audio(utt, data, False, start, round(chunk.end_frame * 40))
+            if utt.state is not State.RUNNING:
+                return
+        if utt.complete:
+            utt.state = State.DONE
+            self._queue_audio(utt, utt.encoder.finish(), True, None, None)
+            self._forget(utt)
+
+    def _sink(self, request_id: str):
+        def deliver(out: RequestOutput | BaseException) -> None:
+            if not self.closed:
+                self.loop.call_soon_threadsafe(self._on_output, request_id, out)
+
+        return deliver
+
+    def _submitted(self, future, request_id: str) -> None:
+        exc = future.exception()
+        if exc is not None:
+            self.loop.call_soon_threadsafe(self._on_output, request_id, exc)
+
+    def _on_output(self, request_id: str, out: RequestOutput | BaseException) -> None:
+        entry = self.by_request.get(request_id)
+        if entry is None:
+            return
+        utt, index = entry
+        if utt.state is not State.RUNNING:
+            return
+        seg = utt.segments[index]
+        if isinstance(out, BaseException) or out.finish_reason == "error":
+            detail = (
+                str(out)
+                if isinstance(out, BaseException)
+                else (out.audio.error if out.audio else "")
+            )
+            code = "bad_parameter" if isinstance(out, ConfigError) else "generation_failed"
+            self._end(utt, State.FAILED)
+            self.send_error(code, f"segment {index} failed: {detail}", utt.id)
+            return
+        if out.audio is not None:
+            seg.chunks.append(out.audio)
+        if out.finished:
+            seg.finished, seg.reason = True, out.finish_reason
+            self.by_request.pop(request_id, None)
+        self._pump(utt)
+
+    def _end(self, utt: Utterance, state: State) -> None:
+        """Cancels or fails an utterance: aborts its engine requests, sends nothing more."""
+        utt.state = state
+        for request_id in utt.active_request_ids():
+            self.services.worker.abort(request_id)
+        self.services.metrics.requests.labels(
+            "error" if state is State.FAILED else "cancelled"
+        ).inc()
+        self._forget(utt)
+
+    def _forget(self, utt: Utterance) -> None:
+        self.utterances.pop(utt.id, None)
+        self.buffers.pop(utt.id, None)
+        for seg in utt.segments:
+            if seg.request_id:
+                self.by_request.pop(seg.request_id, None)
+
+    def close(self) -> None:
+        """The client is gone: abort everything it started."""
+        self.closed = True
+        for utt in list(self.utterances.values()):
+            self._end(utt, State.CANCELLED)
+
+
+def _text(message: dict, max_chars: int) -> str:
+    text = message.get("text")
+    uid = message.get("id") if isinstance(message.get("id"), str) else None
+    if not isinstance(text, str):
+        raise ProtocolError("bad_request", "'text' must be a string", uid)
+    if not text.strip():
+        raise ProtocolError("empty_text", "nothing to speak: 'text' is empty", uid)
+    if len(text) > max_chars:
+        raise ProtocolError(
+            "text_too_long", f"'text' is {len(text)} characters; the limit is {max_chars}", uid
+        )
+    return text
+
+
+def _params(message: dict, uid: str) -> tuple[SamplingParams, OutputFormat]:
+    raw = message.get("params") or {}
+    if not isinstance(raw, dict):
+        raise ProtocolError("bad_parameter", "'params' must be an object", uid)
+    raw = dict(raw)
+    try:
+        max_s = raw.pop("max_duration_s", None)
+        if max_s is not None:
+            if not isinstance(max_s, (int, float)) or not 0 < max_s <= 81.6:
+                raise ConfigError(f"max_duration_s must be in (0, 81.6], got {max_s!r}")
+            raw["max_rows"] = min(2048, math.ceil(max_s * 25) + 8)
+        params = SamplingParams.from_dict(raw)
+        fmt = OutputFormat.parse(message.get("output"))
+    except (ConfigError, ValueError, TypeError) as exc:
+        raise ProtocolError("bad_parameter", str(exc), uid) from exc
+    return params, fmt
+
+
+def _b64(value, field: str, max_bytes: int, uid: str | None = None) -> bytes:
+    if not isinstance(value, str) or not value:
+        raise ProtocolError("bad_request", f"'{field}' must be a non-empty base64 string", uid)
+    if len(value) * 3 // 4 > max_bytes:
+        raise ProtocolError(
+            "message_too_large", f"reference audio is limited to {max_bytes} bytes", uid
+        )
+    try:
+        return base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise ProtocolError("bad_request", f"'{field}' is not valid base64", uid) from exc

@@ -1,0 +1,129 @@
+"""The engine's own thread: it owns the Engine, takes commands from the event loop (add,
+abort) through a queue, steps while there is work, and hands each request's outputs to the
+sink registered with it. The event loop never waits on the GPU.
+
+Sinks are called on the engine thread; they must only schedule work elsewhere (the service
+passes `loop.call_soon_threadsafe`-wrapped callbacks). Reference encoding runs in a separate
+small thread pool, so a long HuBERT pass never stalls the step loop.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engine import ConfigError, Engine, RequestOutput, SamplingParams, VoiceReference
+
+log = logging.getLogger("clonecast.worker")
+Sink = Callable[[RequestOutput | BaseException], None]
+
+
+@dataclass
+class _Add:
+    request_id: str
+    text: str
+    reference: VoiceReference | None
+    params: SamplingParams
+    sink: Sink
+    done: concurrent.futures.Future
+
+
+class EngineWorker:
+    def __init__(self, engine: Engine, on_step: Callable[[float, int], None] | None = None):
+        self.engine = engine
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._sinks: dict[str, Sink] = {}
+        self._on_step = on_step
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="clonecast-engine", daemon=True)
+        self.encoder_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="encode")
+        self.num_waiting = 0
+        self.num_running = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._commands.put(None)
+        self._thread.join(timeout=10)
+        self.encoder_pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- called from any thread --------------------------------------------------------------
+
+    def submit(self, request_id, text, reference, params, sink: Sink) -> concurrent.futures.Future:
+        """Queues a request; the future resolves once it is added (or with its ConfigError)."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(_Add(request_id, text, reference, params, sink, done))
+        return done
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+
+    # -- the engine thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._drain(block=not self.engine.has_unfinished())
+            if not self.engine.has_unfinished():
+                continue
+            t0 = time.perf_counter()
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # a bug: fail what is running, keep serving
+                log.exception("engine step failed")
+                self._fail_all(exc)
+                continue
+            for out in outputs:
+                sink = self._sinks.get(out.request_id)
+                if out.finished:
+                    self._sinks.pop(out.request_id, None)
+                if sink is not None:
+                    sink(out)
+            stats = self.engine.stats
+            self.num_waiting, self.num_running = stats.num_waiting, stats.num_running
+            if self._on_step is not None:
+                self._on_step(time.perf_counter() - t0, len(outputs))
+
+    def _drain(self, block: bool) -> None:
+        try:
+            command = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while command is not None:
+            self._apply(command)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _apply(self, command) -> None:
+        if isinstance(command, _Add):
+            try:
+                self.engine.add_request(
+                    command.request_id,
+                    command.text,
+                    reference=command.reference,
+                    params=command.params,
+                    audio=True,
+                )
+            except ConfigError as exc:
+                command.done.set_exception(exc)
+                return
+            self._sinks[command.request_id] = command.sink
+            command.done.set_result(None)
+        else:
+            _, request_id = command
+            if self.engine.abort(request_id):
+                self._sinks.pop(request_id, None)
+
+    def _fail_all(self, exc: Exception) -> None:
+        for request_id, sink in list(self._sinks.items()):
+            self.engine.abort(request_id)
+            sink(exc)
+        self._sinks.clear()

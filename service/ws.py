@@ -1,0 +1,113 @@
+"""The WebSocket endpoint `/v1/stream`: authentication, origin and capacity checks, the
+receive loop with its idle timeout, and clean-up when the client goes away."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from service.auth import extract_key, key_allowed, origin_allowed
+from service.session import Session
+from service.wire import PROTOCOL
+
+log = logging.getLogger("clonecast.ws")
+
+CLOSE_UNAUTHORIZED, CLOSE_FORBIDDEN, CLOSE_IDLE, CLOSE_CAPACITY = 4401, 4403, 4408, 4429
+
+
+async def _refuse(ws: WebSocket, code: str, message: str, close_code: int, services) -> None:
+    services.metrics.errors.labels(code).inc()
+    await ws.send_text(json.dumps({"type": "error", "code": code, "message": message}))
+    await ws.close(close_code, message[:120])
+
+
+async def stream_endpoint(ws: WebSocket) -> None:
+    services = ws.app.state.services
+    settings = services.settings
+    offered = [
+        p.strip() for p in ws.headers.get("sec-websocket-protocol", "").split(",") if p.strip()
+    ]
+    await ws.accept(subprotocol=PROTOCOL if PROTOCOL in offered else None)
+    key = extract_key(ws.headers, ws.query_params, offered)
+    if not key_allowed(key, settings.api_keys):
+        return await _refuse(
+            ws, "unauthorized", "a valid API key is required", CLOSE_UNAUTHORIZED, services
+        )
+    if not origin_allowed(ws.headers.get("origin"), settings.allowed_origins):
+        return await _refuse(
+            ws, "forbidden_origin", "this origin is not allowed", CLOSE_FORBIDDEN, services
+        )
+    if services.connections >= settings.limits.max_connections or not services.is_ready:
+        return await _refuse(
+            ws,
+            "over_capacity",
+            "the server has no room for another connection",
+            CLOSE_CAPACITY,
+            services,
+        )
+    services.connections += 1
+    services.metrics.connections.set(services.connections)
+    session = Session(ws, services)
+    sender = asyncio.create_task(session.sender())
+    try:
+        session.send_json(_ready_message(session, services))
+        await _receive_loop(ws, session, sender)
+    except WebSocketDisconnect:
+        pass
+    finally:
+        session.close()
+        sender.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await sender
+        services.connections -= 1
+        services.metrics.connections.set(services.connections)
+
+
+async def _receive_loop(ws: WebSocket, session: Session, sender: asyncio.Task) -> None:
+    idle = session.limits.idle_timeout_s
+    receive = None
+    while True:
+        receive = receive or asyncio.ensure_future(ws.receive())  # kept across idle checks
+        done, _ = await asyncio.wait(
+            {receive, sender}, timeout=idle, return_when=asyncio.FIRST_COMPLETED
+        )
+        if sender in done:  # the socket failed while sending
+            receive.cancel()
+            return
+        if not done:
+            if session.utterances:
+                continue  # audio is still being produced: not idle
+            receive.cancel()
+            await ws.close(CLOSE_IDLE, f"idle for {idle:g} s")
+            return
+        message, receive = receive.result(), None
+        if message["type"] == "websocket.disconnect":
+            return
+        if message.get("text") is not None:
+            await session.on_text(message["text"])
+        elif message.get("bytes") is not None:
+            await session.on_bytes(message["bytes"])
+
+
+def _ready_message(session: Session, services) -> dict:
+    limits = services.settings.limits
+    return {
+        "type": "ready",
+        "protocol": PROTOCOL,
+        "session_id": session.id,
+        "model": services.model_info(),
+        "audio": {"sample_rate": 24000, "first_chunk_ms": 320, "chunk_ms": 1000},
+        "limits": {
+            "max_text_chars": limits.max_text_chars,
+            "max_utterances": limits.max_utterances,
+            "max_message_bytes": limits.max_message_bytes,
+            "max_upload_bytes": limits.max_upload_bytes,
+            "max_reference_seconds": 30,
+            "idle_timeout_s": limits.idle_timeout_s,
+            "max_buffered_audio_bytes": limits.max_buffered_audio_bytes,
+        },
+    }
