@@ -14,9 +14,9 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-# Until the service lands: speak a short text into out/hello.wav on the embedded default model.
+# The service on the embedded default model: http://127.0.0.1:8737, ws://127.0.0.1:8737/v1/stream
 start: $(STAMP)
-	$(BIN)/clonecast synthesize --text "Hello from clonecast." --max-rows 200 --out out/hello.wav
+	$(BIN)/clonecast serve
 
 test: $(STAMP)
 	$(BIN)/ruff check engine kernels service tests benchmarks

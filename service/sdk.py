@@ -129,13 +129,14 @@ class Utterance:
         """Speak what remains of the appended text; returns on the server's `flushed`."""
         if not self._streaming or not self._sent:
             raise ValueError("flush() needs an open_stream() utterance with appended text")
-        if not self._flushed:
+        if self._over.is_set():
+            if self.error is not None:
+                raise self.error.copy()
+            return
+        if self._flush_ack is None:
             self._flushed = True
             self._flush_ack = asyncio.get_running_loop().create_future()
-            if not self._over.is_set():
-                await self._client._send({"type": "flush", "id": self.id})
-        if self._over.is_set() and not self._flush_ack.done():
-            self._flush_ack.set_result(None)
+            await self._client._send({"type": "flush", "id": self.id})
         await self._flush_ack
 
     async def cancel(self) -> None:
@@ -143,10 +144,12 @@ class Utterance:
         if it finished first). Iteration ends at once; unread chunks are dropped."""
         self._stopped = True
         self._queue.put_nowait(None)  # wakes a reader waiting for the next chunk
-        if self._sent and not self._over.is_set():
+        if not self._sent:  # the server never heard of it
+            self._client._forget(self)
+            self._end({"type": "cancelled", "id": self.id})
+        elif not self._over.is_set():
             await self._client._send({"type": "cancel", "id": self.id})
             await self._over.wait()
-        self._over.set()
 
     async def collect(self) -> bytes:
         """All remaining audio, joined."""
@@ -178,7 +181,10 @@ class Utterance:
         self._queue.put_nowait(event)
         ack = self._flush_ack
         if ack is not None and not ack.done():
-            ack.set_exception(event.copy()) if self.error else ack.set_result(None)
+            if self.error is not None:
+                ack.set_exception(self.error.copy())
+            else:
+                ack.set_result(None)
 
 
 class AsyncClient:
@@ -224,11 +230,15 @@ class AsyncClient:
         `close_code`, `close_reason`, like websockets'); `connect()` and tests use it."""
         try:
             message = json.loads(await asyncio.wait_for(ws.recv(), open_timeout))
+            if not isinstance(message, dict):
+                raise ValueError(f"a JSON {type(message).__name__}")
         except ConnectionClosed as exc:
             raise _closed_by_server(ws.close_code, ws.close_reason, None) from exc
-        except TimeoutError as exc:
+        except (TimeoutError, ValueError) as exc:
             await ws.close()
-            raise ClonecastError("connection_failed", "the server sent no `ready`") from exc
+            raise ClonecastError(
+                "connection_failed", f"no `ready` from the server: {exc or 'timed out'}"
+            ) from exc
         if message.get("type") == "error":
             await ws.close()
             raise ClonecastError(message.get("code", "internal"), message.get("message", ""))
@@ -289,7 +299,11 @@ class AsyncClient:
         returned utterance for its audio (a failed send surfaces there)."""
         fields = _voice_fields(voice_id, voice_audio, transcript, params, output)
         utt = self._register(id, fields, streaming=False)
-        text_frame = self._encode({"type": "speak", "id": utt.id, "text": text, **fields})
+        try:
+            text_frame = self._encode({"type": "speak", "id": utt.id, "text": text, **fields})
+        except ClonecastError:
+            self._forget(utt)
+            raise
         task = asyncio.create_task(self._send_speak(utt, text_frame))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -338,10 +352,9 @@ class AsyncClient:
     def _register(self, uid: str | None, fields: dict, streaming: bool) -> Utterance:
         if self.closed_error is not None:
             raise self.closed_error.copy()
-        while uid is None or (uid in self._utterances and uid.startswith("u")):
+        generated = uid is None
+        while uid is None or (uid in self._utterances and generated):
             uid = f"u{next(self._utterance_ids)}"  # skips ids the caller picked
-            if uid not in self._utterances:
-                break
         if len(uid.encode()) > 255:
             raise ValueError("an utterance id is at most 255 bytes of UTF-8")
         running = self._utterances.get(uid)
@@ -350,6 +363,10 @@ class AsyncClient:
         utt = Utterance(self, uid, fields, streaming)
         self._utterances[uid] = utt
         return utt
+
+    def _forget(self, utt: Utterance) -> None:
+        if self._utterances.get(utt.id) is utt:
+            del self._utterances[utt.id]
 
     def _encode(self, message: dict) -> str:
         if self.closed_error is not None:
