@@ -116,7 +116,32 @@ class TorchAttention:
         return result[:t]
 
 
+class TritonAttention:
+    """Our Triton paged-attention kernel: one launch for mixed prefill and decode rows, its
+    grid sized from `meta.max_query_len` (so graph capture must respect the capture bound)."""
+
+    name = "triton"
+
+    def forward(self, q, k, v, kv_cache, meta, scale):
+        from kernels.paged_attention import paged_attention
+
+        store_kv(k, v, kv_cache, meta.slot_mapping[: meta.num_tokens])
+        return paged_attention(
+            q,
+            kv_cache[0],
+            kv_cache[1],
+            meta.query_start_loc,
+            meta.seq_lens,
+            meta.block_tables,
+            scale,
+            meta.max_query_len,
+        )
+
+
+BACKENDS = {"torch": TorchAttention, "triton": TritonAttention}
+
+
 def make_backend(name: str) -> AttentionBackend:
-    if name == "torch":
-        return TorchAttention()
-    raise ValueError(f"unknown attention backend {name!r}; available: 'torch'")
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; available: {sorted(BACKENDS)}")
+    return BACKENDS[name]()

@@ -158,7 +158,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     kv_cache_memory_fraction: float = 0.6
     enable_prefix_caching: bool = True
-    attention_backend: str = "torch"
+    attention_backend: str = "auto"  # auto: triton on CUDA, torch on the CPU
     codec_dtype: str = "float32"
     stream: StreamConfig = StreamConfig()
     voice_cache_bytes: int = 64 * 1024 * 1024
@@ -180,6 +180,10 @@ class EngineConfig:
             raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ConfigError("num_kv_blocks must be >= 2 (block 0 is reserved for padding)")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ConfigError(
+                f"attention_backend must be auto/torch/triton, got {self.attention_backend!r}"
+            )
         if not 0.0 < self.kv_cache_memory_fraction < 1.0:
             raise ConfigError("kv_cache_memory_fraction must be in (0, 1)")
 

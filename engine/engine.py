@@ -122,9 +122,10 @@ class Engine:
         device = torch.device(config.device)
         dtype = _resolve_dtype(config.dtype, device)
         self.tokenizer = HiggsTokenizer(checkpoint)
-        self.model, self.codec_keys = load_model(
-            checkpoint, make_backend(config.attention_backend), device, dtype
-        )
+        backend = config.attention_backend
+        if backend == "auto":
+            backend = "triton" if device.type == "cuda" else "torch"
+        self.model, self.codec_keys = load_model(checkpoint, make_backend(backend), device, dtype)
         if config.max_model_len > self.model.config.max_position_embeddings:
             raise ConfigError(
                 f"max_model_len {config.max_model_len} exceeds the model's "

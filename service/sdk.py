@@ -91,7 +91,6 @@ class Utterance:
         self._opening = opening  # fields the first `append` of a stream carries
         self._streaming = streaming
         self._sent = not streaming  # whether the server knows this utterance
-        self._flushed = False
         self._stopped = False  # iteration is over
         self._over = asyncio.Event()  # the server ended it, or the connection did
         self._queue: asyncio.Queue[Chunk | dict | ClonecastError | None] = asyncio.Queue()
@@ -115,7 +114,7 @@ class Utterance:
         """Add text to an `open_stream()` utterance; complete sentences start speaking."""
         if not self._streaming:
             raise ValueError("append() is for utterances from open_stream(), not speak()")
-        if self._flushed:
+        if self._flush_ack is not None:
             raise ValueError(f"utterance {self.id!r} was flushed; open a new stream to say more")
         if self._over.is_set():
             raise (self.error or ClonecastError("unknown_id", f"{self.id!r} is over")).copy()
@@ -134,7 +133,6 @@ class Utterance:
                 raise self.error.copy()
             return
         if self._flush_ack is None:
-            self._flushed = True
             self._flush_ack = asyncio.get_running_loop().create_future()
             await self._client._send({"type": "flush", "id": self.id})
         await self._flush_ack
@@ -192,6 +190,10 @@ class AsyncClient:
 
     def __init__(self, ws: Any, ready: dict):
         self.ready = ready
+        self.session_id: str | None = ready.get("session_id")
+        self.model_untrained = bool(ready.get("model", {}).get("untrained"))
+        self.sample_rate: int = ready.get("audio", {}).get("sample_rate", 24000)
+        self.limits: dict = ready.get("limits", {})
         self.errors: collections.deque[ClonecastError] = collections.deque(maxlen=32)
         self.closed_error: ClonecastError | None = None  # why the connection is over, once it is
         self._ws = ws
@@ -230,49 +232,30 @@ class AsyncClient:
         `close_code`, `close_reason`, like websockets'); `connect()` and tests use it."""
         try:
             message = json.loads(await asyncio.wait_for(ws.recv(), open_timeout))
-            if not isinstance(message, dict):
-                raise ValueError(f"a JSON {type(message).__name__}")
         except ConnectionClosed as exc:
             raise _closed_by_server(ws.close_code, ws.close_reason, None) from exc
         except (TimeoutError, ValueError) as exc:
-            await ws.close()
-            raise ClonecastError(
-                "connection_failed", f"no `ready` from the server: {exc or 'timed out'}"
-            ) from exc
-        if message.get("type") == "error":
-            await ws.close()
-            raise ClonecastError(message.get("code", "internal"), message.get("message", ""))
-        if message.get("type") != "ready":
-            await ws.close()
-            raise ClonecastError("connection_failed", f"expected `ready`, got {message!r:.200}")
-        return cls(ws, message)
-
-    @property
-    def session_id(self) -> str | None:
-        return self.ready.get("session_id")
-
-    @property
-    def model_untrained(self) -> bool:
-        return bool(self.ready.get("model", {}).get("untrained"))
-
-    @property
-    def sample_rate(self) -> int:
-        return self.ready.get("audio", {}).get("sample_rate", 24000)
-
-    @property
-    def limits(self) -> dict:
-        return self.ready.get("limits", {})
+            message = {"message": f"no `ready` from the server: {exc or 'timed out'}"}
+        if not isinstance(message, dict):
+            message = {"message": f"expected `ready`, got {message!r:.200}"}
+        if message.get("type") == "ready":
+            return cls(ws, message)
+        await ws.close()
+        if message.get("type") == "error":  # e.g. unauthorized, then close code 4401
+            raise ClonecastError(str(message.get("code")), str(message.get("message")))
+        raise ClonecastError(
+            "connection_failed", message.get("message") or f"expected `ready`, got {message!r:.200}"
+        )
 
     async def create_voice(
         self, audio: bytes, transcript: str | None = None, *, binary: bool = True
     ) -> str:
         """Register a reference recording (WAV, FLAC, OGG, Opus, MP3); returns its voice_id."""
         request_id = f"r{next(self._request_ids)}"
-        message: dict = {"type": "voice.upload" if binary else "voice.create"}
         if binary:
-            message["bytes"] = len(audio)
+            message: dict = {"type": "voice.upload", "bytes": len(audio)}
         else:
-            message["audio_b64"] = base64.b64encode(audio).decode()
+            message = {"type": "voice.create", "audio_b64": base64.b64encode(audio).decode()}
         if transcript is not None:
             message["transcript"] = transcript
         message["request_id"] = request_id

@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
-import pytest
-import torch
+import os
+import shutil
+
+# Without a GPU, Triton kernels run in Triton's CPU interpreter; it must be chosen before
+# triton is first imported.
+if shutil.which("nvidia-smi") is None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from engine.checkpoint_writer import TINY_TEXT_CONFIG, write_checkpoint
 

@@ -62,8 +62,11 @@ def test_prefill_split_over_steps(tiny_ckpt, reference):
     check_all_chunks(engine, rec, reference, prompts, rows, TOL)
 
 
-def test_mixed_prefill_and_decode_batch(tiny_ckpt, reference):
-    cfg = EngineConfig(block_size=4, max_num_seqs=8, max_num_batched_tokens=24)
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_mixed_prefill_and_decode_batch(tiny_ckpt, reference, backend):
+    cfg = EngineConfig(
+        block_size=4, max_num_seqs=8, max_num_batched_tokens=24, attention_backend=backend
+    )
     engine = Engine.from_pretrained(tiny_ckpt, cfg)
     rec = HiddenRecorder(engine)
     reqs = [
@@ -92,8 +95,10 @@ def test_mixed_prefill_and_decode_batch(tiny_ckpt, reference):
     check_all_chunks(engine, rec, reference, prompts, rows, TOL)
 
 
-def test_prefix_cache_hit(tiny_ckpt, reference):
-    engine = Engine.from_pretrained(tiny_ckpt, EngineConfig(block_size=4, max_num_seqs=4))
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_prefix_cache_hit(tiny_ckpt, reference, backend):
+    cfg = EngineConfig(block_size=4, max_num_seqs=4, attention_backend=backend)
+    engine = Engine.from_pretrained(tiny_ckpt, cfg)
     rec = HiddenRecorder(engine)
     voice = make_reference(9, 30, "the same transcript")
     prompts, rows = run(engine, [("first", "One text.", voice, SamplingParams(seed=1, max_rows=4))])

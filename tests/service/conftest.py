@@ -4,15 +4,25 @@ default model (CPU). `make_server(**limits)` starts one with custom limits/setti
 from __future__ import annotations
 
 import asyncio
+import base64
 import dataclasses
+import io
+import json
+import math
 import threading
 import time
+from dataclasses import dataclass, field
 
+import httpx
+import numpy as np
 import pytest
+import soundfile as sf
 import uvicorn
+from websockets.asyncio.client import connect
 
 from service.app import create_app
 from service.config import Limits, ServiceSettings
+from service.wire import unpack_audio
 
 
 class RunningServer:
@@ -70,3 +80,181 @@ def server(make_server):
 
 def run(coro):
     return asyncio.run(coro)
+
+
+# -- helpers shared by the service tests (they talk to the real server over the network) -----
+
+FRAME_SAMPLES = 960  # one 40 ms frame at 24 kHz
+FRAME_BYTES = 2 * FRAME_SAMPLES  # PCM16
+
+
+def frames_for(max_duration_s: float) -> int:
+    """Audio frames of an utterance that runs to its length cap: max_rows - 8."""
+    return math.ceil(max_duration_s * 25)
+
+
+def speak(uid: str, text: str = "Hello there.", dur: float = 1.0, seed: int = 1, **extra) -> str:
+    params = {"max_duration_s": dur, "seed": seed, **extra.pop("params", {})}
+    return json.dumps({"type": "speak", "id": uid, "text": text, "params": params, **extra})
+
+
+async def recv_json(ws, timeout: float = 30.0) -> dict:
+    message = await asyncio.wait_for(ws.recv(), timeout)
+    assert isinstance(message, str), f"expected a text frame, got {len(message)} binary bytes"
+    return json.loads(message)
+
+
+async def recv_until(ws, kind: str, timeout: float = 30.0, **match) -> tuple[dict, list]:
+    """Reads until a JSON message of `kind` (and matching fields) arrives; returns it and
+    everything read before it (dicts, or bytes for binary frames)."""
+    before = []
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        assert left > 0, f"no {kind!r} {match} within {timeout} s; got {_brief(before)}"
+        message = await asyncio.wait_for(ws.recv(), left)
+        if isinstance(message, bytes):
+            before.append(message)
+            continue
+        data = json.loads(message)
+        if data.get("type") == kind and all(data.get(k) == v for k, v in match.items()):
+            return data, before
+        before.append(data)
+
+
+def _brief(messages: list) -> list:
+    return [m if isinstance(m, dict) else f"<{len(m)} bytes>" for m in messages][-8:]
+
+
+async def connect_ready(uri: str, **kwargs):
+    """Opens a connection and reads its `ready` message."""
+    ws = await connect(uri, open_timeout=30, **kwargs)
+    ready = await recv_json(ws)
+    assert ready["type"] == "ready", ready
+    return ws
+
+
+async def expect_error(ws, code: str, timeout: float = 30.0) -> dict:
+    message = await recv_json(ws, timeout)
+    assert message["type"] == "error", message
+    assert message["code"] == code, message
+    assert isinstance(message["message"], str) and message["message"]
+    return message
+
+
+async def assert_alive(ws, timeout: float = 30.0) -> list:
+    """A ping is answered by a pong; returns what arrived before the pong."""
+    await ws.send(json.dumps({"type": "ping"}))
+    pong, before = await recv_until(ws, "pong", timeout)
+    assert isinstance(pong["t"], (int, float))
+    return before
+
+
+@dataclass
+class Utt:
+    """Everything received for one utterance id."""
+
+    started: dict | None = None
+    headers: list = field(default_factory=list)  # JSON `audio` messages
+    frames: list = field(default_factory=list)  # unpacked binary frames
+    done: dict | None = None
+    errors: list = field(default_factory=list)
+    other: list = field(default_factory=list)
+
+    @property
+    def payload(self) -> bytes:
+        return b"".join(f.payload for f in self.frames)
+
+
+async def collect(ws, ids, timeout: float = 60.0, stop_on_error: bool = True) -> dict[str, Utt]:
+    """Reads until every id has its `done` (or an `error`); checks that each `audio` message
+    is immediately followed by its binary frame with the same id, seq and last."""
+    utts = {uid: Utt() for uid in ids}
+    deadline = time.monotonic() + timeout
+
+    def finished(u: Utt) -> bool:
+        return u.done is not None or (stop_on_error and bool(u.errors))
+
+    while not all(finished(u) for u in utts.values()):
+        left = deadline - time.monotonic()
+        assert left > 0, f"timed out; got { {k: (v.done, v.errors) for k, v in utts.items()} }"
+        message = await asyncio.wait_for(ws.recv(), left)
+        assert isinstance(message, str), "a binary frame without its audio message"
+        data = json.loads(message)
+        kind, uid = data.get("type"), data.get("id")
+        assert uid in utts, f"message for an unexpected id: {data}"
+        u = utts[uid]
+        if kind == "audio":
+            raw = await asyncio.wait_for(ws.recv(), left)
+            assert isinstance(raw, bytes), f"audio message not followed by a binary frame: {raw}"
+            frame = unpack_audio(raw)
+            assert (frame.utterance_id, frame.seq, frame.last) == (uid, data["seq"], data["last"])
+            assert len(frame.payload) == data["bytes"]
+            u.headers.append(data)
+            u.frames.append(frame)
+        elif kind == "started":
+            u.started = data
+        elif kind == "done":
+            u.done = data
+        elif kind == "error":
+            u.errors.append(data)
+        else:
+            u.other.append(data)
+    return utts
+
+
+def check_complete(u: Utt, first_bytes: int | None = 15360) -> None:
+    """Continuous seq from 0, the last frame flagged last (and only it), `done` after it."""
+    assert u.errors == [], u.errors
+    assert u.done is not None
+    assert [f.seq for f in u.frames] == list(range(len(u.frames)))
+    assert [f.last for f in u.frames] == [False] * (len(u.frames) - 1) + [True]
+    if first_bytes is not None:
+        assert len(u.frames[0].payload) == first_bytes
+
+
+def scrape(server) -> dict[str, float]:
+    """GET /metrics as {'name{labels}': value}."""
+    r = httpx.get(server.http + "/metrics", timeout=30)
+    assert r.status_code == 200
+    samples = {}
+    for line in r.text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            samples[name] = float(value)
+    return samples
+
+
+def wait_engine_idle(server, timeout: float = 15.0) -> dict[str, float]:
+    """Polls /metrics until no request runs or waits and every KV block is free again."""
+    total = server.services.engine.stats.num_kv_blocks
+    deadline = time.monotonic() + timeout
+    while True:
+        m = scrape(server)
+        idle = (
+            m["clonecast_num_requests_running"] == 0
+            and m["clonecast_num_requests_waiting"] == 0
+            and m["clonecast_kv_cache_free_blocks"] == total
+        )
+        if idle:
+            return m
+        assert time.monotonic() < deadline, (
+            f"engine not idle after {timeout} s: running {m['clonecast_num_requests_running']}, "
+            f"free blocks {m['clonecast_kv_cache_free_blocks']} of {total}"
+        )
+        time.sleep(0.1)
+
+
+def reference_audio(seconds: float = 2.0, fmt: str = "WAV", rate: int = 24000, f0=150.0) -> bytes:
+    """A harmonic tone with a smooth envelope at amplitude 0.2: a usable reference."""
+    t = np.arange(int(seconds * rate)) / rate
+    tone = sum(np.sin(2 * np.pi * f0 * k * t) / k for k in range(1, 6))
+    envelope = np.sin(np.pi * t / seconds) ** 0.5
+    x = 0.2 * envelope * tone / np.max(np.abs(tone))
+    buf = io.BytesIO()
+    sf.write(buf, x.astype(np.float32), rate, format=fmt, subtype="PCM_16")
+    return buf.getvalue()
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()

@@ -1,0 +1,174 @@
+"""Paged variable-length attention for mixed batches, in Triton: prefill rows attend to their
+cached prefix and to themselves (causal), decode rows are chunks of one token, all in one
+launch.
+
+Grid: (sequence, query block, KV head). One program handles BLOCK_M query tokens of one
+sequence for the G query heads sharing one KV head (GQA), so its tile has BLOCK_M * G rows.
+The number of query blocks comes from `max_query_len`: a CUDA graph freezes it, which is why
+an unconstrained capture must use the bucket's token count (see capture-bound.md). Knows
+nothing of requests or schedulers: tensors in, tensor out.
+
+Layouts: q/out `[T, Hq, D]`; k_cache/v_cache `[num_blocks, page, Hkv, D]`; query_start_loc
+`[B + 1]`; seq_lens `[B]` (sequence b's queries are its last q_len positions); block_tables
+`[B, max_pages]`. Sequences with no queries (padding) do nothing.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    o_ptr,
+    qsl_ptr,
+    seq_lens_ptr,
+    bt_ptr,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_bt,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    mblock = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    if mblock * BLOCK_M >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    first_pos = seq_len - q_len
+
+    rows = tl.arange(0, BLOCK_M * G)
+    token = mblock * BLOCK_M + rows // G  # query token within the sequence
+    head = kv_head * G + rows % G
+    row_ok = token < q_len
+    q_pos = first_pos + token
+    d = tl.arange(0, D)
+    q = tl.load(
+        q_ptr + (q_start + token)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=row_ok[:, None],
+        other=0.0,
+    )
+
+    m_i = tl.full([BLOCK_M * G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M * G], tl.float32)
+    acc = tl.zeros([BLOCK_M * G, D], tl.float32)
+    kv_end = tl.minimum(seq_len, first_pos + (mblock + 1) * BLOCK_M)  # causal horizon of the tile
+    for start in range(0, kv_end, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_ok = n < kv_end
+        page = tl.load(bt_ptr + seq * stride_bt + n // PAGE, mask=n_ok, other=0)
+        offs = page.to(tl.int64) * stride_kb + (n % PAGE) * stride_ks + kv_head * stride_kh
+        k = tl.load(k_ptr + offs[None, :] + d[:, None], mask=n_ok[None, :], other=0.0)  # [D, N]
+        s = tl.dot(q, k) * qk_scale
+        s = tl.where((n[None, :] <= q_pos[:, None]) & n_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + offs[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)  # [N, D]
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    tl.store(
+        o_ptr + (q_start + token)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+        out.to(o_ptr.dtype.element_ty),
+        mask=row_ok[:, None],
+    )
+
+
+def query_block_size(max_query_len: int, group: int) -> int:
+    """Query tokens per program: tiles of at least 16 rows (tl.dot's minimum), 64 rows for
+    prefill-sized queries."""
+    small = max(1, 16 // group)
+    return small if max_query_len <= small else max(small, 64 // group)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of every query row over its sequence's paged K/V; returns `[T, Hq, D]`."""
+    num_seqs = seq_lens.shape[0]
+    _, hq, d = q.shape
+    page, hkv = k_cache.shape[1], k_cache.shape[2]
+    group = hq // hkv
+    if out is None:
+        out = torch.empty_like(q)
+    block_m = query_block_size(max_query_len, group)
+    grid = (num_seqs, triton.cdiv(max(max_query_len, 1), block_m), hkv)
+    _paged_attention_kernel[grid](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        query_start_loc,
+        seq_lens,
+        block_tables,
+        scale * _LOG2E,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        G=group,
+        D=d,
+        PAGE=page,
+        BLOCK_M=block_m,
+        BLOCK_N=max(16, page),
+    )
+    return out
+
+
+def paged_attention_reference(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale):
+    """Plain torch, one sequence at a time, fp32: the definition the kernel is tested against."""
+    out = torch.zeros_like(q)
+    page, hkv = k_cache.shape[1], k_cache.shape[2]
+    group = q.shape[1] // hkv
+    qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
+    for b in range(len(lens)):
+        start, end, seq_len = qsl[b], qsl[b + 1], lens[b]
+        if end == start:
+            continue
+        pages = block_tables[b, : math.ceil(seq_len / page)].long()
+        k = k_cache[pages].reshape(-1, hkv, q.shape[2])[:seq_len].float()
+        v = v_cache[pages].reshape(-1, hkv, q.shape[2])[:seq_len].float()
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        qb = q[start:end].float()
+        scores = torch.einsum("thd,nhd->htn", qb, k) * scale
+        pos = torch.arange(seq_len - (end - start), seq_len, device=q.device)
+        mask = torch.arange(seq_len, device=q.device)[None, :] <= pos[:, None]
+        scores = scores.masked_fill(~mask[None], float("-inf"))
+        out[start:end] = torch.einsum("htn,nhd->thd", scores.softmax(-1), v).to(q.dtype)
+    return out
