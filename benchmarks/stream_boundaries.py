@@ -51,56 +51,33 @@ def stats(diff: torch.Tensor) -> tuple[float, float]:
     return diff.abs().max().item(), diff.pow(2).mean().sqrt().item()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--codec", type=Path, help="tokenizer dir or v3 checkpoint (default: tiny)")
-    ap.add_argument("--hf-init", action="store_true", help="tiny codec: keep transformers' init")
-    ap.add_argument("--audio", type=Path, help="encode this file for the codes (needs encoder)")
-    ap.add_argument("--frames", type=int, default=200)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--context", type=int, default=8)
-    ap.add_argument("--holdback", type=int, default=0)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    args = ap.parse_args()
-
-    device = torch.device(args.device)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = args.codec or tiny_codec_dir(Path(tmp) / "codec", args.hf_init)
-        codec = Codec.load(path, device, torch.float32, 1 << 26)
-    if args.audio:
-        frames = list(codec.encode_file(args.audio.read_bytes(), AudioLimits())[0])
-    else:
-        rng = random.Random(args.seed)
-        frames = [tuple(rng.randrange(1024) for _ in range(8)) for _ in range(args.frames)]
-    n = len(frames)
-    rows = delay_rows([*frames, (EOC, *frames[-1][1:])])  # utterance ends with EOC at row n
-
-    stream = AudioStream(
-        "bench", StreamConfig(left_context_frames=args.context, holdback_frames=args.holdback)
-    )
-    windows = [
-        w
-        for i in range(len(rows))
-        if (w := stream.next_window(rows[: i + 1], finished=i == len(rows) - 1))
-    ]
+def streamed_and_whole(codec: Codec, frames: list, cfg: StreamConfig):
+    """(windows, streamed float audio, whole-utterance audio), both [frames * 960] on the CPU.
+    The utterance ends with EOC at row len(frames), fed row by row as the engine does."""
+    rows = delay_rows([*frames, (EOC, *frames[-1][1:])])
+    stream = AudioStream("bench", cfg)
+    last = len(rows) - 1
+    windows = [w for i in range(len(rows)) if (w := stream.next_window(rows[: i + 1], i == last))]
     parts = []
     for w in windows:
         if w.num_frames:
             audio = codec.decode(torch.tensor([w.codes]))[0].cpu()
             parts.append(audio[w.context * HOP : (w.context + w.num_frames) * HOP])
-    streamed = torch.cat(parts)
     whole = codec.decode(torch.tensor(frames).T[None])[0].cpu()
-    assert streamed.shape == whole.shape, (streamed.shape, whole.shape)
+    return windows, torch.cat(parts), whole
+
+
+def report(windows, streamed: torch.Tensor, whole: torch.Tensor) -> None:
+    n = len(whole) // HOP
     rms = whole.pow(2).mean().sqrt().item()
     diff = (streamed - whole) / rms
-
     boundaries = [w.end for w in windows[:-1] if 0 < w.end < n]
     near = torch.zeros(n * HOP, dtype=torch.bool)
     for b in boundaries:
         near[max(0, (b - 1) * HOP) : (b + 1) * HOP] = True
     per_frame = diff.abs().view(n, HOP).max(1).values
-    print(f"{n} frames, {len(windows)} chunks, signal rms {rms:.4g}, codec {path}")
-    print("max |diff|/rms by frame offset from a boundary (max over boundaries):")
+    print(f"{n} frames, {len(windows)} chunks, signal rms {rms:.4g}; |diff| / rms")
+    print("max by frame offset from a boundary (over all boundaries):")
     for k in range(-12, 4):
         vals = [per_frame[b + k].item() for b in boundaries if 0 <= b + k < n]
         print(f"  {k:+3d}: {max(vals):.2e}" if vals else f"  {k:+3d}: -")
@@ -115,6 +92,31 @@ def main() -> None:
         print(f"{b:>8} {nm:>10.2e} {nr:>10.2e} {am:>10.2e} {ar:>10.2e}")
     (nm, nr), (am, ar) = stats(diff[near]), stats(diff[~near])
     print(f"{'all':>8} {nm:>10.2e} {nr:>10.2e} {am:>10.2e} {ar:>10.2e}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--codec", type=Path, help="tokenizer dir or v3 checkpoint (default: tiny)")
+    ap.add_argument("--hf-init", action="store_true", help="tiny codec: keep transformers' init")
+    ap.add_argument("--audio", type=Path, help="encode this file for the codes (needs encoder)")
+    ap.add_argument("--frames", type=int, default=200)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--context", type=int, default=8)
+    ap.add_argument("--holdback", type=int, default=0)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = args.codec or tiny_codec_dir(Path(tmp) / "codec", args.hf_init)
+        codec = Codec.load(path, torch.device(args.device), torch.float32, 1 << 26)
+    if args.audio:
+        frames = list(codec.encode_file(args.audio.read_bytes(), AudioLimits())[0])
+    else:
+        rng = random.Random(args.seed)
+        frames = [tuple(rng.randrange(1024) for _ in range(8)) for _ in range(args.frames)]
+    cfg = StreamConfig(left_context_frames=args.context, holdback_frames=args.holdback)
+    print(f"codec {path}")
+    report(*streamed_and_whole(codec, frames, cfg))
 
 
 if __name__ == "__main__":

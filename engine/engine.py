@@ -23,6 +23,7 @@ from engine.checkpoint_writer import UNTRAINED_NOTICE, default_model_dir
 from engine.codec.audio_io import AudioLimits
 from engine.codec.codec import Codec
 from engine.config import ConfigError, EngineConfig, SamplingParams, VoiceReference
+from engine.cuda_graphs import CudaGraphs
 from engine.loader import load_model, resolve_checkpoint
 from engine.prompt import AudioRow, build_prompt
 from engine.request import FinishReason, Request
@@ -135,6 +136,10 @@ class Engine:
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.blocks)
         self.runner = ModelRunner(self.model, config, num_blocks)
+        self.capture_reports = []
+        if config.cuda_graphs and device.type == "cuda" and backend == "triton":
+            self.runner.graphs = CudaGraphs(self.runner)
+            self.capture_reports.append(self.runner.graphs.capture())
         self.codec = _load_codec(codec or checkpoint, config, device, codec is not None)
         self.audio_limits = AudioLimits()
         self._streams: dict[str, AudioStream] = {}

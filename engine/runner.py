@@ -96,6 +96,7 @@ class ModelRunner:
         self.delay = DelayState(config.max_num_seqs, self.device)
         self.sampler = Sampler(config.max_num_seqs, self.device)
         self._prompt_arrays: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self.graphs = None  # a CudaGraphs once captured (CUDA and the Triton backend only)
         # Recorded after each host-to-device copy: the staging buffer is reused next step. A
         # step that samples ends with the designated sync, which covers it; only a step without
         # sampling (pure chunked prefill) leaves the event to be waited on.
@@ -127,11 +128,38 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> SampledRows:
         num_tokens, num_samples = self._prepare(sched)
-        n = len(sched.chunks)
+        num_seqs = len(sched.chunks)
+        max_query_len = max(c.num_tokens for c in sched.chunks)
+        graph = None
+        if self.graphs is not None:
+            graph = self.graphs.lookup(num_tokens, decode_only=max_query_len == 1)
+        if graph is not None:
+            self._pad(num_tokens, graph.num_tokens, num_seqs, self.config.max_num_seqs)
+        self._copy_inputs()
+        if graph is not None:
+            hidden = graph.replay()[:num_tokens]
+        else:
+            max_seq_len = max(c.start + c.num_tokens for c in sched.chunks)
+            hidden = self.forward(num_tokens, num_seqs, max_query_len, max_seq_len)
+        sampling = [c.request for c in sched.chunks if c.samples]
+        if not sampling:
+            self._copy_pending = self._copied is not None
+            return SampledRows([], np.zeros((0, NUM_CODEBOOKS), np.int64), np.zeros(0, bool))
         buf, lay = self.inputs, self.layout
-        if buf is not self.host:
-            buf.copy_(self.host, non_blocking=True)
-            self._copied.record()
+        slots = lay.view(buf, "sample_slots")[:num_samples]
+        logits = self.model.audio_logits(hidden[lay.view(buf, "logits_index")[:num_samples]])
+        codes = self.sampler.sample(
+            logits, self.delay.masks(slots), slots, self.delay.num_rows[slots]
+        )
+        self.delay.advance(slots, codes)
+        return self._to_host(sampling, codes, self.delay.done[slots])
+
+    def forward(
+        self, num_tokens: int, num_seqs: int, max_query_len: int, max_seq_len: int
+    ) -> torch.Tensor:
+        """Embedding and backbone over the first `num_tokens` inputs of the device buffer
+        (eagerly, or while a graph is captured): hidden states `[num_tokens, H]`."""
+        buf, lay = self.inputs, self.layout
         token_ids = lay.view(buf, "token_ids")[:num_tokens]
         rows = lay.view(buf, "audio_rows")[: num_tokens * NUM_CODEBOOKS].view(num_tokens, -1)
         feedback = lay.view(buf, "feedback_slot")[:num_tokens]
@@ -142,27 +170,54 @@ class ModelRunner:
         embeds = self.model.embed(token_ids, rows.clamp(min=0), rows[:, 0] >= 0)
         meta = AttentionMetadata(
             num_tokens=num_tokens,
-            num_seqs=n,
-            query_start_loc=lay.view(buf, "query_start_loc")[: n + 1],
-            seq_lens=lay.view(buf, "seq_lens")[:n],
-            block_tables=lay.view(buf, "block_tables").view(-1, self.max_blocks)[:n],
+            num_seqs=num_seqs,
+            query_start_loc=lay.view(buf, "query_start_loc")[: num_seqs + 1],
+            seq_lens=lay.view(buf, "seq_lens")[:num_seqs],
+            block_tables=lay.view(buf, "block_tables").view(-1, self.max_blocks)[:num_seqs],
             slot_mapping=lay.view(buf, "slot_mapping")[:num_tokens],
-            max_query_len=max(c.num_tokens for c in sched.chunks),
-            max_seq_len=max(c.start + c.num_tokens for c in sched.chunks),
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
         )
         with attention_context(meta):
-            hidden = self.model(embeds, lay.view(buf, "positions")[:num_tokens], self.kv_caches)
-        sampling = [c.request for c in sched.chunks if c.samples]
-        if not sampling:
-            self._copy_pending = self._copied is not None
-            return SampledRows([], np.zeros((0, NUM_CODEBOOKS), np.int64), np.zeros(0, bool))
-        slots = lay.view(buf, "sample_slots")[:num_samples]
-        logits = self.model.audio_logits(hidden[lay.view(buf, "logits_index")[:num_samples]])
-        codes = self.sampler.sample(
-            logits, self.delay.masks(slots), slots, self.delay.num_rows[slots]
-        )
-        self.delay.advance(slots, codes)
-        return self._to_host(sampling, codes, self.delay.done[slots])
+            return self.model(embeds, lay.view(buf, "positions")[:num_tokens], self.kv_caches)
+
+    def load_dummy_batch(self, q_lens: list[int], padded_tokens: int) -> None:
+        """Inputs for graph capture: sequences of `q_lens` new tokens with no context, every
+        K/V write going to the reserved block 0."""
+        lay, h = self.layout, self.host_np
+        bs = self.config.block_size
+        qsl, t = lay.view(h, "query_start_loc"), 0
+        qsl[0] = 0
+        for b, n in enumerate(q_lens):
+            lay.view(h, "positions")[t : t + n] = np.arange(n)
+            lay.view(h, "slot_mapping")[t : t + n] = np.arange(n) % bs + NULL_BLOCK * bs
+            lay.view(h, "seq_lens")[b] = n
+            t += n
+            qsl[b + 1] = t
+        lay.view(h, "token_ids")[:t] = 0
+        lay.view(h, "audio_rows")[: t * NUM_CODEBOOKS] = -1
+        lay.view(h, "feedback_slot")[:t] = -1
+        lay.view(h, "block_tables")[:] = NULL_BLOCK
+        self._pad(t, padded_tokens, len(q_lens), self.config.max_num_seqs)
+        self._copy_inputs()
+
+    def _copy_inputs(self) -> None:
+        if self.inputs is not self.host:
+            self.inputs.copy_(self.host, non_blocking=True)
+            self._copied.record()
+
+    def _pad(self, num_tokens: int, padded_tokens: int, num_seqs: int, padded_seqs: int) -> None:
+        """Padding rows write their K/V into the reserved block 0 and belong to no sequence;
+        padding sequences have no queries, so the attention kernel skips them."""
+        lay, h = self.layout, self.host_np
+        t, tp = num_tokens, padded_tokens
+        lay.view(h, "token_ids")[t:tp] = 0
+        lay.view(h, "audio_rows")[t * NUM_CODEBOOKS : tp * NUM_CODEBOOKS] = -1
+        lay.view(h, "feedback_slot")[t:tp] = -1
+        lay.view(h, "positions")[t:tp] = 0
+        lay.view(h, "slot_mapping")[t:tp] = NULL_BLOCK * self.config.block_size
+        lay.view(h, "query_start_loc")[num_seqs + 1 : padded_seqs + 1] = t
+        lay.view(h, "seq_lens")[num_seqs:padded_seqs] = 0
 
     def _prepare(self, sched: SchedulerOutput) -> tuple[int, int]:
         """Fills the host staging buffer for this step; returns (tokens, sampled rows)."""

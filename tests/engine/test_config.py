@@ -77,8 +77,9 @@ def test_config_error_is_value_error():
 
 
 def test_from_dict_accepts_known_fields():
-    p = SamplingParams.from_dict({"temperature": 0.7, "top_k": 20, "top_p": 0.8, "seed": 5,
-                                  "max_rows": 100})
+    p = SamplingParams.from_dict(
+        {"temperature": 0.7, "top_k": 20, "top_p": 0.8, "seed": 5, "max_rows": 100}
+    )
     assert p == SamplingParams(temperature=0.7, top_k=20, top_p=0.8, seed=5, max_rows=100)
     assert SamplingParams.from_dict({}) == SamplingParams()
 
@@ -228,8 +229,9 @@ def test_model_config_rope_parameters_style():
 
 
 def test_model_config_rope_parameters_take_precedence():
-    cfg = higgs(rope_theta=10_000.0, rope_parameters={"rope_type": "default",
-                                                      "rope_theta": 500_000.0})
+    cfg = higgs(
+        rope_theta=10_000.0, rope_parameters={"rope_type": "default", "rope_theta": 500_000.0}
+    )
     assert ModelConfig.from_checkpoint_config(cfg).rope_theta == 500_000.0
 
 
@@ -307,9 +309,7 @@ def test_model_config_non_default_rope_rejected(changes):
 @pytest.mark.parametrize("heads, kv", [(32, 6), (32, 64), (10, 4)])
 def test_model_config_heads_not_multiple_of_kv(heads, kv):
     with pytest.raises(ConfigError, match="num_key_value_heads"):
-        ModelConfig.from_checkpoint_config(
-            higgs(num_attention_heads=heads, num_key_value_heads=kv)
-        )
+        ModelConfig.from_checkpoint_config(higgs(num_attention_heads=heads, num_key_value_heads=kv))
 
 
 @pytest.mark.parametrize(

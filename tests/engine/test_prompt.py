@@ -117,8 +117,16 @@ def test_clone_prompt_with_ref_text():
     ref = VoiceReference(codes, "ref words")
     p = build_prompt(TOK, SPECIAL, "say this", ref)
     ph = 5 + 7
-    expected_ids = [TTS, REF_TEXT, *enc("ref words"), REF_AUDIO, *[TTS] * ph, TEXT,
-                    *enc("say this"), AUDIO]
+    expected_ids = [
+        TTS,
+        REF_TEXT,
+        *enc("ref words"),
+        REF_AUDIO,
+        *[TTS] * ph,
+        TEXT,
+        *enc("say this"),
+        AUDIO,
+    ]
     assert list(p.token_ids) == expected_ids
     start = 1 + 1 + len("ref words") + 1
     delayed = delay_rows(codes)

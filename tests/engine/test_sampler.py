@@ -120,8 +120,10 @@ def distinct_logits(rows: int, cbs: int, gen: torch.Generator, scale: float = 3.
     """Logits with all-distinct values in each row (a random permutation of a grid)."""
     grid = torch.linspace(-scale, scale, V)
     return torch.stack(
-        [torch.stack([grid[torch.randperm(V, generator=gen)] for _ in range(cbs)])
-         for _ in range(rows)]
+        [
+            torch.stack([grid[torch.randperm(V, generator=gen)] for _ in range(cbs)])
+            for _ in range(rows)
+        ]
     )
 
 
@@ -238,8 +240,9 @@ def test_filter_is_per_row():
 
 
 def test_set_params_maps_top_k_zero_to_disabled():
-    sampler = make_sampler([(SamplingParams(temperature=0.7, top_k=0, top_p=0.9), 42),
-                            (SamplingParams(top_k=17), 7)])
+    sampler = make_sampler(
+        [(SamplingParams(temperature=0.7, top_k=0, top_p=0.9), 42), (SamplingParams(top_k=17), 7)]
+    )
     assert sampler.top_k.tolist() == [V, 17]
     assert sampler.temperature[0].item() == pytest.approx(0.7)
     assert sampler.top_p[0].item() == pytest.approx(0.9)
@@ -378,8 +381,9 @@ def test_same_seed_same_rows_alone_and_in_batch():
     row_index = torch.randint(0, 2048, (rows,), generator=gen)
     batch = sampler.sample(logits, forbidden, slots, row_index)
     for i in range(rows):
-        alone = sampler.sample(logits[i : i + 1], forbidden[i : i + 1], slots[i : i + 1],
-                               row_index[i : i + 1])
+        alone = sampler.sample(
+            logits[i : i + 1], forbidden[i : i + 1], slots[i : i + 1], row_index[i : i + 1]
+        )
         assert torch.equal(alone[0], batch[i]), i
     perm = torch.randperm(rows, generator=gen)
     again = sampler.sample(logits[perm], forbidden[perm], slots[perm], row_index[perm])
@@ -388,8 +392,9 @@ def test_same_seed_same_rows_alone_and_in_batch():
     # A different slot with the same seed and parameters gives the same codes...
     twin = make_sampler([(SamplingParams(temperature=1.0, top_k=0, top_p=1.0), 1000)] * 3)
     a = twin.sample(logits[:1], forbidden[:1], t([0]), t([9]))
-    b = twin.sample(logits[:1].repeat(3, 1, 1), forbidden[:1].repeat(3, 1, 1), t([2, 1, 0]),
-                    t([9, 9, 9]))
+    b = twin.sample(
+        logits[:1].repeat(3, 1, 1), forbidden[:1].repeat(3, 1, 1), t([2, 1, 0]), t([9, 9, 9])
+    )
     assert all(torch.equal(a[0], b[i]) for i in range(3))
     # ...and another seed or row index (almost surely) different ones on flat logits.
     flat = torch.zeros(1, NUM_CODEBOOKS, V)
@@ -411,7 +416,9 @@ def test_empirical_distribution_matches_softmax(temperature):
     forbidden[:, support] = False
     sampler = make_sampler([(SamplingParams(temperature=temperature, top_k=0, top_p=1.0), 77)])
     codes = sampler.sample(
-        logits.expand(rows, -1, -1), forbidden.expand(rows, -1, -1), t([0] * rows),
+        logits.expand(rows, -1, -1),
+        forbidden.expand(rows, -1, -1),
+        t([0] * rows),
         torch.arange(rows),
     ).flatten()
     expected = torch.softmax(support_logits / temperature, -1)

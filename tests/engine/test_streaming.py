@@ -72,9 +72,8 @@ def utterance_rows(num_frames: int, seed: int = 0) -> tuple[list[tuple[int, ...]
     codebook 0's EOC at row `num_frames`: `num_frames + 8` rows, the last frame `[EOC, 7 real]`.
 
     `delay_rows` leaves BOC at (row r, column c > r); after the EOC row the state machine
-    forbids BOC (ending: "the others may emit neither BOC nor EOC"), so for utterances shorter
-    than 7 frames those cells hold real codes. They belong to no frame (r - c < 0).
-    """
+    forbids BOC (ending: "the others may emit neither BOC nor EOC"), so for utterances of at
+    most 5 frames those cells hold real codes. They belong to no frame (r - c < 0)."""
     rng = random.Random(seed)
     frames = [random_frame(rng) for _ in range(num_frames)]
     terminal = (EOC, *random_frame(rng)[1:])
@@ -148,6 +147,16 @@ def test_utterance_rows_follow_the_state_machine(num_frames):
     assert undelayed[num_frames][0] == EOC
     assert all(0 <= x < 1024 for x in undelayed[num_frames][1:])
     assert final_num_frames(len(rows)) == num_frames
+
+
+def test_plain_delay_layout_of_a_very_short_utterance_breaks_the_state_machine():
+    """Why `utterance_rows` patches the cells after EOC: a 3-frame `delay_rows` layout keeps BOC
+    in codebooks that the ending state machine obliges to emit real codes."""
+    _, rows = utterance_rows(3, seed=1)
+    raw = delay_rows(undelay_rows(rows))
+    assert raw != rows and raw[4][5] == BOC
+    with pytest.raises(AssertionError, match="row 4 codebook 5: code 1024"):
+        state_machine_check(raw)
 
 
 def test_cap_rows_follow_the_state_machine():
