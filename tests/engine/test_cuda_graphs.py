@@ -1,4 +1,4 @@
-"""The capture query bound (capture-bound.md) and graph replay against eager execution."""
+"""The capture query bound (capture-bound.md) and FULL-graph replay against eager execution."""
 
 from __future__ import annotations
 
@@ -6,8 +6,20 @@ import pytest
 import torch
 
 from engine import Engine, EngineConfig, SamplingParams
-from engine.cuda_graphs import DEFAULT_BUCKETS, capture_query_bound
+from engine.checkpoint_writer import TINY_TEXT_CONFIG, write_checkpoint
+from engine.cuda_graphs import DEFAULT_BUCKETS, CudaGraphs, capture_query_bound
 from tests.engine.test_parity import make_reference
+
+# Higgs v3 attention shape (32 query / 8 KV heads of 128), few layers.
+HIGGS_HEADS = {
+    **TINY_TEXT_CONFIG,
+    "hidden_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "intermediate_size": 1024,
+}
 
 
 def test_unconstrained_capture_uses_the_bucket_token_count():
@@ -22,30 +34,127 @@ def test_decode_only_capture_keeps_one_and_explicit_bounds_are_kept():
         assert capture_query_bound(bucket, decode_only=True, explicit=3) == 3
 
 
-def _engines(ckpt, **kw):
-    base = dict(device="cuda", dtype="bfloat16", max_num_seqs=64, max_num_batched_tokens=256,
-                num_kv_blocks=1024, max_model_len=2048, **kw)
-    return (Engine.from_pretrained(ckpt, EngineConfig(cuda_graphs=True, **base)),
-            Engine.from_pretrained(ckpt, EngineConfig(cuda_graphs=False, **base)))
+def _load_batch(runner, q_lens, ctx_lens, seed=0):
+    """Puts a real-looking batch into the runner's input buffers (random K/V context)."""
+    import numpy as np
+
+    lay, h = runner.layout, runner.host_np
+    bs = runner.config.block_size
+    rng = np.random.default_rng(seed)
+    free = rng.permutation(np.arange(1, runner.kv_caches[0].shape[1]))
+    qsl, t, used = lay.view(h, "query_start_loc"), 0, 0
+    tables = lay.view(h, "block_tables").reshape(-1, runner.max_blocks)
+    qsl[0] = 0
+    for b, (n, ctx) in enumerate(zip(q_lens, ctx_lens, strict=True)):
+        pages = -(-(ctx + n) // bs)
+        blocks = free[used : used + pages]
+        used += pages
+        tables[b, :pages] = blocks
+        pos = np.arange(ctx, ctx + n)
+        lay.view(h, "positions")[t : t + n] = pos
+        lay.view(h, "slot_mapping")[t : t + n] = blocks[pos // bs] * bs + pos % bs
+        lay.view(h, "token_ids")[t : t + n] = rng.integers(0, 256, n)
+        lay.view(h, "seq_lens")[b] = ctx + n
+        t += n
+        qsl[b + 1] = t
+    lay.view(h, "audio_rows")[: t * 8] = -1
+    lay.view(h, "feedback_slot")[:t] = -1
+    for cache in runner.kv_caches:
+        cache.normal_()
+    return t
 
 
-def _run_all(engine, reqs):
-    for rid, text, ref, params in reqs:
-        engine.add_request(rid, text, reference=ref, params=params, audio=False)
-    rows = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                rows[out.request_id] = out.rows
-    return rows
+def _mini_engine(tmp_path):
+    ckpt = write_checkpoint(tmp_path / "ckpt", HIGGS_HEADS, seed=3)
+    cfg = EngineConfig(
+        device="cuda",
+        dtype="bfloat16",
+        max_num_seqs=64,
+        max_num_batched_tokens=256,
+        num_kv_blocks=2048,
+        max_model_len=2048,
+        cuda_graphs=False,
+    )
+    return Engine.from_pretrained(ckpt, cfg)
 
 
 @pytest.mark.cuda
-def test_graph_replay_matches_eager_rows_under_fixed_seeds(tiny_ckpt):
-    graphed, eager = _engines(tiny_ckpt)
-    assert graphed.runner.graphs is not None and eager.runner.graphs is None
-    reqs = [(f"r{i}", f"request number {i}", make_reference(i, 40 + 7 * i, "ref") if i % 2 else None,
-             SamplingParams(seed=i, max_rows=30 + i)) for i in range(12)]
-    assert _run_all(graphed, reqs) == _run_all(eager, reqs)
+@pytest.mark.parametrize("bound, should_match", [(None, True), (4, False)])
+def test_capture_bound_red_green_with_our_kernel(tmp_path, bound, should_match):
+    """Capture from 256 tokens over 64 requests; replay one 212-token prefill + 44 decodes."""
+    engine = _mini_engine(tmp_path)
+    runner = engine.runner
+    graphs = CudaGraphs(runner, buckets=(256,), query_bound=bound)
+    graphs.capture()
+    graph = graphs.mixed[256]
+    assert graph.max_query_len == (256 if bound is None else 4)
+    q_lens, ctx = [212] + [1] * 44, [0] + [300] * 44
+    with torch.inference_mode():
+        t = _load_batch(runner, q_lens, ctx)
+        runner._pad(t, 256, len(q_lens), 64)
+        runner._copy_inputs()
+        replayed = graph.replay()[:t].float().clone()
+        runner._copy_inputs()  # the same K/V writes again, then the eager twin
+        eager = runner.forward(256, 64, max(q_lens), 2048)[:t].float()
+    diff = (replayed - eager).abs().max().item()
+    print(f"capture bound {graph.max_query_len}: max |graph - eager| = {diff:.3g}")
+    if should_match:
+        assert torch.equal(replayed, eager)
+    else:
+        assert diff > 1e-2 or not torch.isfinite(replayed).all()
+
+
+@pytest.mark.cuda
+def test_every_replay_equals_its_eager_twin_and_rows_match_eager_engine(tiny_ckpt):
+    base = dict(
+        device="cuda",
+        dtype="float32",
+        max_num_seqs=32,
+        max_num_batched_tokens=128,
+        num_kv_blocks=1024,
+        max_model_len=2048,
+    )
+    graphed = Engine.from_pretrained(tiny_ckpt, EngineConfig(cuda_graphs=True, **base))
+    runner = graphed.runner
+    checked = {"decode": 0, "mixed": 0}
+    original = runner.graphs.lookup
+
+    def lookup(num_tokens, decode_only):
+        graph = original(num_tokens, decode_only)
+        if graph is not None:
+            replay = graph.replay
+
+            def checked_replay():
+                out = replay().clone()
+                runner._copy_inputs()  # rewrite the same K/V, then run the eager twin
+                twin = runner.forward(
+                    graph.num_tokens,
+                    runner.config.max_num_seqs,
+                    graph.max_query_len,
+                    runner.config.max_model_len,
+                )
+                assert torch.equal(out[:num_tokens], twin[:num_tokens])
+                checked["decode" if graph.max_query_len == 1 else "mixed"] += 1
+                return out
+
+            graph = type(graph)(graph.graph, graph.num_tokens, graph.max_query_len, graph.hidden)
+            graph.replay = checked_replay
+        return graph
+
+    runner.graphs.lookup = lookup
+    reqs = [
+        (
+            f"r{i}",
+            f"request number {i}",
+            make_reference(i, 30 + 9 * i, "ref") if i % 2 else None,
+            SamplingParams(seed=i, max_rows=20 + i),
+        )
+        for i in range(10)
+    ]
+    for rid, text, ref, params in reqs:
+        graphed.add_request(rid, text, reference=ref, params=params, audio=False)
+    while graphed.has_unfinished():
+        graphed.step()
+    assert checked["decode"] > 5 and checked["mixed"] > 0
     report = graphed.capture_reports[0]
-    assert report.num_graphs > 0 and report.seconds > 0
+    assert report.num_graphs == len(runner.graphs.mixed) + len(runner.graphs.decode) > 0

@@ -160,6 +160,7 @@ class Utt:
     done: dict | None = None
     errors: list = field(default_factory=list)
     other: list = field(default_factory=list)
+    kinds: list = field(default_factory=list)  # message types in arrival order
 
     @property
     def payload(self) -> bytes:
@@ -184,6 +185,7 @@ async def collect(ws, ids, timeout: float = 60.0, stop_on_error: bool = True) ->
         kind, uid = data.get("type"), data.get("id")
         assert uid in utts, f"message for an unexpected id: {data}"
         u = utts[uid]
+        u.kinds.append(kind)
         if kind == "audio":
             raw = await asyncio.wait_for(ws.recv(), left)
             assert isinstance(raw, bytes), f"audio message not followed by a binary frame: {raw}"

@@ -1,0 +1,330 @@
+"""The WebSocket protocol `clonecast.v1` end to end against a real server: the ready
+message, speak round trips, output formats, incremental text, barge-in, concurrency and a
+client that vanishes. Every utterance is capped with a small `max_duration_s`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import struct
+import time
+
+import numpy as np
+import pytest
+import torch
+import torchaudio
+from websockets.asyncio.client import connect
+
+from service.audio_format import mulaw_decode
+
+from .conftest import (
+    FRAME_BYTES,
+    FRAME_SAMPLES,
+    assert_alive,
+    check_complete,
+    collect,
+    connect_ready,
+    expect_error,
+    frames_for,
+    recv_json,
+    recv_until,
+    run,
+    scrape,
+    speak,
+    wait_engine_idle,
+)
+
+
+def test_ready_message_describes_protocol_model_audio_and_limits(server):
+    async def main():
+        ws = await connect_ready(server.ws)  # reads and checks `ready`
+        await ws.close()
+        ws = await connect(server.ws)
+        ready = await recv_json(ws)
+        await ws.close()
+        return ready
+
+    ready = run(main())
+    assert ready["type"] == "ready"
+    assert ready["protocol"] == "clonecast.v1"
+    assert isinstance(ready["session_id"], str) and ready["session_id"].startswith("s_")
+    model = ready["model"]
+    assert model["untrained"] is True
+    assert isinstance(model["name"], str) and model["name"]
+    assert "random weights" in model["notice"]
+    assert ready["audio"] == {"sample_rate": 24000, "first_chunk_ms": 320, "chunk_ms": 1000}
+    limits = ready["limits"]
+    assert limits["max_text_chars"] == 5000
+    assert limits["max_utterances"] == 8
+    assert limits["max_message_bytes"] == 8 * 1024 * 1024
+    assert limits["max_reference_seconds"] == 30
+    assert limits["idle_timeout_s"] == 60
+    assert limits["max_buffered_audio_bytes"] == 4 * 1024 * 1024
+
+
+def test_speak_round_trip_chunks_and_done_stats(server):
+    dur = 3.0
+
+    async def main():
+        ws = await connect_ready(server.ws)
+        await ws.send(speak("utt-1", "Hello there, this is a test.", dur=dur, seed=1))
+        utts = await collect(ws, ["utt-1"])
+        await ws.close()
+        return utts["utt-1"]
+
+    u = run(main())
+    check_complete(u)
+    assert u.started == {"type": "started", "id": "utt-1", "segments": 1}
+    assert u.kinds[0] == "started"  # before any audio
+    sizes = [len(f.payload) for f in u.frames]
+    nonempty = [s for s in sizes if s]
+    # 320 ms first, then 1 s chunks, then the remainder; the final frame may be empty
+    assert sizes[0] == 15360
+    assert nonempty[1:-1] == [48000] * (len(nonempty) - 2)
+    assert 0 < nonempty[-1] <= 48000
+    assert sizes[-1] == 0 or sizes[-1] == nonempty[-1]
+    total = sum(sizes)
+    assert u.done["reason"] == "length"
+    assert total == frames_for(dur) * FRAME_BYTES == 144000
+    # the JSON headers describe the frames: format, rate, contiguous times
+    for h in u.headers:
+        assert (h["format"], h["sample_rate"]) == ("pcm16", 24000)
+    timed = [h for h in u.headers if h["bytes"]]
+    assert (timed[0]["start_ms"], timed[0]["end_ms"]) == (0, 320)
+    for a, b in zip(timed, timed[1:]):
+        assert b["start_ms"] == a["end_ms"]
+    assert timed[-1]["end_ms"] == round(dur * 1000)
+    for h in timed:
+        assert h["end_ms"] - h["start_ms"] == h["bytes"] // 48
+    assert u.headers[-1]["last"] is True
+    stats = u.done["stats"]
+    assert stats["first_audio_ms"] > 0
+    assert stats["audio_s"] == pytest.approx(total / 48000, abs=1e-3)
+    assert stats["bytes"] == total
+    assert stats["chunks"] == len(nonempty)
+    assert stats["segments"] == 1
+    assert stats["elapsed_s"] > 0
+    assert stats["rtf"] == pytest.approx(stats["elapsed_s"] / stats["audio_s"], rel=0.02)
+    assert isinstance(stats["underruns"], int) and stats["underruns"] >= 0
+
+
+def test_speak_one_second_is_exactly_25_frames(server):
+    async def main():
+        ws = await connect_ready(server.ws)
+        await ws.send(speak("a", dur=1.0, seed=2))
+        utts = await collect(ws, ["a"])
+        await ws.close()
+        return utts["a"]
+
+    u = run(main())
+    check_complete(u)
+    assert u.done["reason"] == "length"
+    assert len(u.payload) == frames_for(1.0) * FRAME_BYTES == 48000
+    assert u.done["stats"]["audio_s"] == pytest.approx(1.0, abs=1e-3)
+
+
+# (output spec, bytes per sample, rate, payload prefix that is not audio)
+FORMATS = {
+    "f32": ({"format": "f32"}, 4, 24000),
+    "mulaw-8k": ({"format": "mulaw"}, 1, 8000),
+    "mulaw-16k": ({"format": "mulaw", "sample_rate": 16000}, 1, 16000),
+    "pcm16-16k": ({"format": "pcm16", "sample_rate": 16000}, 2, 16000),
+    "pcm16-48k": ({"format": "pcm16", "sample_rate": 48000}, 2, 48000),
+    "f32-22050": ({"format": "f32", "sample_rate": 22050}, 4, 22050),
+    "wav": ({"format": "wav"}, 2, 24000),
+}
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_output_formats_have_consistent_sample_counts(server, name):
+    output, width, rate = FORMATS[name]
+    dur = 1.0
+
+    async def main():
+        ws = await connect_ready(server.ws)
+        await ws.send(speak("f", dur=dur, seed=3, output=output))
+        utts = await collect(ws, ["f"])
+        await ws.close()
+        return utts["f"]
+
+    u = run(main())
+    check_complete(u, first_bytes=None)
+    assert u.done["reason"] == "length"
+    for h in u.headers:
+        assert h["format"] == output["format"]
+        assert h["sample_rate"] == rate
+    data = u.payload
+    if output["format"] == "wav":
+        first = u.frames[0].payload
+        assert first[:4] == b"RIFF" and first[8:16] == b"WAVEfmt "
+        riff, fmt_size, tag, channels, hdr_rate, byte_rate, align, bits = struct.unpack(
+            "<I4x4xIHHIIHH", first[4:36]
+        )
+        assert riff == 0xFFFFFFFF  # streamed: unknown size
+        assert (fmt_size, tag, channels, hdr_rate, byte_rate, align, bits) == (
+            16,
+            1,
+            1,
+            24000,
+            48000,
+            2,
+            16,
+        )
+        assert first[36:40] == b"data" and struct.unpack("<I", first[40:44])[0] == 0xFFFFFFFF
+        assert len(first) == 44 + 15360
+        data = data[44:]
+    assert len(data) % width == 0
+    samples = len(data) // width
+    expected = frames_for(dur) * FRAME_SAMPLES * rate / 24000
+    assert abs(samples - expected) <= 2, (samples, expected)
+    if output["format"] == "f32":
+        x = np.frombuffer(data, "<f4")
+        assert np.all(np.isfinite(x)) and np.max(np.abs(x)) <= 1.0
+        if rate == 24000:
+            assert len(u.frames[0].payload) == 2 * 15360
+    if output["format"] == "mulaw":
+        assert mulaw_decode(np.frombuffer(data, np.uint8)).dtype == np.int16
+    stats = u.done["stats"]
+    assert stats["bytes"] == len(u.payload)
+    # audio_s counts audio only: a WAV header is not 0.9 ms of sound
+    assert stats["audio_s"] == pytest.approx(samples / rate, abs=6e-4)
+
+
+def test_resampling_is_continuous_across_chunks(server):
+    """The same seed at 24 kHz and at 16 kHz: the streamed 16 kHz output equals resampling
+    the whole 24 kHz utterance at once (no clicks at chunk boundaries)."""
+
+    async def main():
+        ws = await connect_ready(server.ws)
+        out = {}
+        for uid, output in (("r24", {}), ("r16", {"sample_rate": 16000}), ("again", {})):
+            await ws.send(speak(uid, dur=2.0, seed=11, output=output))
+            out[uid] = (await collect(ws, [uid]))[uid]
+        await ws.close()
+        return out
+
+    out = run(main())
+    for u in out.values():
+        check_complete(u, first_bytes=None)
+    pcm24 = np.frombuffer(out["r24"].payload, "<i2")
+    assert out["again"].payload == out["r24"].payload, "a seed must give the same audio"
+    pcm16k = np.frombuffer(out["r16"].payload, "<i2").astype(np.int32)
+    whole = torchaudio.functional.resample(
+        torch.from_numpy(pcm24.astype(np.float32) / 32768.0), 24000, 16000
+    ).numpy()
+    ref = np.clip(np.round(whole * 32768.0), -32768, 32767).astype(np.int32)
+    assert len(pcm16k) == len(ref)
+    assert np.max(np.abs(pcm16k - ref)) <= 2
+
+
+def test_incremental_append_flush(server):
+    async def main():
+        ws = await connect_ready(server.ws)
+        opts = {"params": {"max_duration_s": 1.0, "seed": 4}}
+        await ws.send(
+            json.dumps({"type": "append", "id": "inc", "text": "The first sentence. ", **opts})
+        )
+        started = await recv_json(ws)
+        assert started == {"type": "started", "id": "inc", "segments": 0}
+        # the complete first sentence speaks before any flush
+        first_audio, before = await recv_until(ws, "audio", id="inc")
+        assert before == [] and first_audio["seq"] == 0
+        first_frame = await ws.recv()
+        await ws.send(json.dumps({"type": "append", "id": "inc", "text": "And the second one"}))
+        await ws.send(json.dumps({"type": "flush", "id": "inc"}))
+        await ws.send(json.dumps({"type": "append", "id": "inc", "text": "Too late."}))
+        utts = await collect(ws, ["inc"], stop_on_error=False)
+        await ws.close()
+        return first_audio, first_frame, utts["inc"]
+
+    first_audio, first_frame, u = run(main())
+    assert first_audio["bytes"] == 15360 and len(first_frame) > 15360
+    assert u.kinds.index("flushed") < u.kinds.index("done")
+    assert u.other == [{"type": "flushed", "id": "inc"}]
+    assert [e["code"] for e in u.errors] == ["unknown_id"]
+    assert u.errors[0]["id"] == "inc"
+    # the frames after the first continue its numbering
+    assert [f.seq for f in u.frames] == list(range(1, len(u.frames) + 1))
+    assert u.frames[-1].last and not any(f.last for f in u.frames[:-1])
+    total = first_audio["bytes"] + len(u.payload)
+    stats = u.done["stats"]
+    assert stats["segments"] == 2
+    assert u.done["reason"] == "length"
+    assert total == 2 * frames_for(1.0) * FRAME_BYTES  # each segment runs to its own cap
+    assert stats["bytes"] == total
+    assert stats["audio_s"] == pytest.approx(total / 48000, abs=1e-3)
+
+
+def test_cancel_stops_audio_and_frees_the_engine(server):
+    async def main():
+        ws = await connect_ready(server.ws)
+        await ws.send(speak("long", "A much longer utterance.", dur=6.0, seed=5))
+        await recv_until(ws, "audio", id="long")
+        frame = await ws.recv()
+        assert isinstance(frame, bytes)
+        await ws.send(json.dumps({"type": "cancel", "id": "long"}))
+        _, before_ack = await recv_until(ws, "cancelled", id="long")
+        # only complete audio pairs may precede the ack; nothing for "long" after it
+        after = []
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end:
+            try:
+                after.append(await asyncio.wait_for(ws.recv(), end - time.monotonic()))
+            except TimeoutError:
+                break
+        after += await assert_alive(ws)
+        await ws.send(json.dumps({"type": "cancel", "id": "long"}))
+        gone = await expect_error(ws, "unknown_id")
+        await ws.send(speak("next", dur=1.0, seed=6))
+        nxt = (await collect(ws, ["next"]))["next"]
+        await ws.close()
+        return before_ack, after, gone, nxt
+
+    before_ack, after, gone, nxt = run(main())
+    assert all(isinstance(m, bytes) or m["type"] == "audio" for m in before_ack)
+    assert after == [], f"audio or messages after the cancel ack: {after}"
+    assert gone["id"] == "long"
+    check_complete(nxt)
+    assert len(nxt.payload) == 48000
+    m = wait_engine_idle(server, timeout=10)
+    assert m["clonecast_num_requests_running"] == 0
+
+
+def test_three_concurrent_utterances_on_one_socket(server):
+    ids = ["c1", "c2", "c3"]
+
+    async def main():
+        ws = await connect_ready(server.ws)
+        for i, uid in enumerate(ids):
+            await ws.send(speak(uid, f"Sentence number {i}.", dur=1.0 + i, seed=20 + i))
+        utts = await collect(ws, ids)
+        await ws.close()
+        return utts
+
+    utts = run(main())
+    for i, uid in enumerate(ids):
+        u = utts[uid]
+        check_complete(u)
+        assert all(f.utterance_id == uid for f in u.frames)
+        assert u.done["reason"] == "length"
+        assert len(u.payload) == frames_for(1.0 + i) * FRAME_BYTES
+        assert u.done["stats"]["bytes"] == len(u.payload)
+    wait_engine_idle(server, timeout=10)
+
+
+def test_vanished_client_frees_its_engine_requests(server):
+    async def main():
+        ws = await connect_ready(server.ws)
+        await ws.send(speak("gone", "Nobody will hear this.", dur=20.0, seed=8))
+        await ws.send(speak("gone2", "Nor this.", dur=20.0, seed=9))
+        await recv_until(ws, "audio", id="gone")
+        assert scrape(server)["clonecast_num_requests_running"] >= 1
+        ws.transport.abort()  # no close frame: the TCP connection just drops
+
+    run(main())
+    m = wait_engine_idle(server, timeout=10)
+    deadline = time.monotonic() + 10
+    while m["clonecast_websocket_connections"] != 0:
+        assert time.monotonic() < deadline, "the vanished connection is still counted"
+        time.sleep(0.1)
+        m = scrape(server)
