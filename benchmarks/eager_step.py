@@ -60,24 +60,74 @@ def main() -> None:
     ap.add_argument("--batches", default="1,32,64")
     ap.add_argument("--context", type=int, default=400)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--profile", help="write a torch.profiler table of the graph path here")
     args = ap.parse_args()
-    cfg = EngineConfig(
-        device="cuda",
-        dtype="bfloat16",
-        max_num_seqs=64,
-        max_num_batched_tokens=2048,
-        num_kv_blocks=4096,
-        enable_prefix_caching=False,
-    )
-    engine = Engine.from_pretrained(args.ckpt, cfg)
+    variants = {
+        "torch eager": dict(attention_backend="torch", cuda_graphs=False),
+        "triton eager": dict(attention_backend="triton", cuda_graphs=False),
+        "triton graphs": dict(attention_backend="triton", cuda_graphs=True),
+    }
     rows = []
-    for b in (int(x) for x in args.batches.split(",")):
-        ms = time_batch(engine, b, args.context, args.steps)
-        rows.append((b, ms, floor_ms(b, args.context)))
-    print(f"\neager decode step, {torch.cuda.get_device_name()}, context ~{args.context}")
-    print(f"{'batch':>6} {'step ms':>9} {'floor ms':>9} {'x floor':>8} {'audio-s/s':>10}")
-    for b, ms, fl in rows:
-        print(f"{b:>6} {ms:>9.2f} {fl:>9.2f} {ms / fl:>8.2f} {b / (ms / 1e3) / 25:>10.1f}")
+    for name, extra in variants.items():
+        cfg = EngineConfig(
+            device="cuda",
+            dtype="bfloat16",
+            max_num_seqs=64,
+            max_num_batched_tokens=512,
+            num_kv_blocks=4096,
+            enable_prefix_caching=False,
+            **extra,
+        )
+        engine = Engine.from_pretrained(args.ckpt, cfg)
+        for r in engine.capture_reports:
+            print(
+                f"{name}: {r.num_graphs} {r.family} graphs in {r.seconds:.1f} s, "
+                f"+{r.allocated_bytes / 2**20:.0f} MiB allocated, "
+                f"+{r.reserved_bytes / 2**20:.0f} MiB reserved"
+            )
+        for b in (int(x) for x in args.batches.split(",")):
+            ms = time_batch(engine, b, args.context, args.steps)
+            rows.append((name, b, ms, floor_ms(b, args.context)))
+        if args.profile and extra["cuda_graphs"]:
+            profile_step(engine, 64, args.context, args.profile)
+        del engine
+        torch.cuda.empty_cache()
+    print(f"\ndecode step, {torch.cuda.get_device_name()}, context ~{args.context}")
+    print(
+        f"{'variant':<14}{'batch':>6} {'step ms':>9} {'floor ms':>9} {'x floor':>8} {'audio-s/s':>10}"
+    )
+    for name, b, ms, fl in rows:
+        print(
+            f"{name:<14}{b:>6} {ms:>9.2f} {fl:>9.2f} {ms / fl:>8.2f} {b / (ms / 1e3) / 25:>10.1f}"
+        )
+
+
+def profile_step(engine: Engine, batch: int, context: int, path: str) -> None:
+    """Kernel and host time of 10 decode steps at `batch`, written to `path`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    time_batch(engine, batch, context, 2)  # leaves nothing running; set up a fresh batch
+    rng = random.Random(0)
+    codes = tuple(tuple(rng.randrange(1024) for _ in range(8)) for _ in range(context - 40))
+    voice = VoiceReference(codes, "a reference transcript")
+    for i in range(batch):
+        engine.add_request(
+            f"p{i}",
+            "Timing the decode step of the engine.",
+            reference=voice,
+            params=SamplingParams(seed=i, max_rows=60),
+        )
+    for _ in range(20):
+        engine.step()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            engine.step()
+        torch.cuda.synchronize()
+    with open(path, "w") as f:
+        f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40))
+        f.write(prof.key_averages().table(sort_by="cpu_time_total", row_limit=30))
+    for i in range(batch):
+        engine.abort(f"p{i}")
 
 
 if __name__ == "__main__":

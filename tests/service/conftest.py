@@ -28,8 +28,14 @@ from service.wire import unpack_audio
 class RunningServer:
     def __init__(self, settings: ServiceSettings):
         self.app = create_app(settings)
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning",
-                                ws_max_size=2 * settings.limits.max_message_bytes, lifespan="on")
+        config = uvicorn.Config(
+            self.app,
+            host="127.0.0.1",
+            port=0,
+            log_level="warning",
+            ws_max_size=2 * settings.limits.max_message_bytes,
+            lifespan="on",
+        )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
@@ -61,9 +67,14 @@ def make_server(model_cache):
     servers = []
 
     def make(api_keys=(), allowed_origins=(), max_num_seqs=16, **limits) -> RunningServer:
-        settings = ServiceSettings(device="cpu", cache_dir=model_cache, api_keys=tuple(api_keys),
-                                   allowed_origins=tuple(allowed_origins), max_num_seqs=max_num_seqs,
-                                   limits=dataclasses.replace(Limits(), **limits))
+        settings = ServiceSettings(
+            device="cpu",
+            cache_dir=model_cache,
+            api_keys=tuple(api_keys),
+            allowed_origins=tuple(allowed_origins),
+            max_num_seqs=max_num_seqs,
+            limits=dataclasses.replace(Limits(), **limits),
+        )
         server = RunningServer(settings)
         servers.append(server)
         return server

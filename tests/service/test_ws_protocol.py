@@ -296,7 +296,7 @@ def test_three_concurrent_utterances_on_one_socket(server):
     async def main():
         ws = await connect_ready(server.ws)
         for i, uid in enumerate(ids):
-            await ws.send(speak(uid, f"Sentence number {i}.", dur=1.0 + i, seed=20 + i))
+            await ws.send(speak(uid, f"Sentence number {i}.", dur=1.0 + i, seed=30 + i))
         utts = await collect(ws, ids)
         await ws.close()
         return utts

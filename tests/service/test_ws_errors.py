@@ -1,0 +1,297 @@
+"""Every rejected message gets an `error` with its stable code (and the utterance id or the
+upload's request_id where there is one), and the connection keeps working: each test ends
+with a ping on the same socket. One server with small limits serves the whole module."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import pytest
+from websockets.exceptions import ConnectionClosed
+
+from .conftest import (
+    FRAME_BYTES,
+    assert_alive,
+    check_complete,
+    collect,
+    connect_ready,
+    expect_error,
+    frames_for,
+    recv_json,
+    run,
+    speak,
+)
+
+MAX_MESSAGE = 4096
+MAX_TEXT = 200
+
+
+@pytest.fixture(scope="module")
+def small(make_server):
+    return make_server(max_message_bytes=MAX_MESSAGE, max_text_chars=MAX_TEXT, max_utterances=2)
+
+
+def _exchange(server, *frames, code: str) -> dict:
+    """Sends frames on a fresh connection, expects one error with `code`, then a pong."""
+
+    async def main():
+        ws = await connect_ready(server.ws)
+        for frame in frames:
+            await ws.send(frame)
+        err = await expect_error(ws, code)
+        before_pong = await assert_alive(ws)
+        await ws.close()
+        return err, before_pong
+
+    err, before_pong = run(main())
+    assert before_pong == [], f"unexpected messages: {before_pong}"
+    return err
+
+
+@pytest.mark.parametrize(
+    "frame",
+    ["{not json", "", '"a string"', "[1, 2, 3]", "42", "null"],
+    ids=["broken", "empty", "string", "array", "number", "null"],
+)
+def test_bad_json(small, frame):
+    err = _exchange(small, frame, code="bad_json")
+    assert "id" not in err
+
+
+@pytest.mark.parametrize(
+    "message",
+    [{"type": "dance"}, {"kind": "speak"}, {"type": 3}, {"type": "SPEAK", "id": "x", "text": "a"}],
+    ids=["unknown", "missing", "not-a-string", "case"],
+)
+def test_unknown_type(small, message):
+    _exchange(small, json.dumps(message), code="unknown_type")
+
+
+def test_binary_frame_without_upload(small):
+    _exchange(small, b"\x00\x01\x02 not announced", code="unexpected_binary")
+
+
+def test_text_frame_over_max_message_bytes_keeps_the_connection(small):
+    big = json.dumps({"type": "speak", "id": "big", "text": "x" * (MAX_MESSAGE + 100)})
+    assert MAX_MESSAGE < len(big) < 2 * MAX_MESSAGE
+    err = _exchange(small, big, code="message_too_large")
+    assert str(MAX_MESSAGE) in err["message"]
+
+
+def test_frame_over_transport_limit_closes_with_1009(small):
+    async def main():
+        ws = await connect_ready(small.ws, max_size=None)
+        await ws.send("x" * (3 * MAX_MESSAGE))
+        with pytest.raises(ConnectionClosed):
+            while True:
+                await recv_json(ws, timeout=10)
+        return ws.close_code
+
+    assert run(main()) == 1009
+
+
+def test_unknown_voice(small):
+    err = _exchange(small, speak("u1", voice_id="v_does_not_exist"), code="unknown_voice")
+    assert err["id"] == "u1"
+
+
+@pytest.mark.parametrize("text", ["", "   \n\t "])
+def test_empty_text(small, text):
+    err = _exchange(small, speak("e1", text), code="empty_text")
+    assert err["id"] == "e1"
+
+
+def test_empty_text_on_flush(small):
+    frames = [
+        json.dumps({"type": "append", "id": "e2", "text": "  ", "params": {"seed": 1}}),
+        json.dumps({"type": "flush", "id": "e2"}),
+    ]
+
+    async def main():
+        ws = await connect_ready(small.ws)
+        for frame in frames:
+            await ws.send(frame)
+        started = await recv_json(ws)
+        err = await expect_error(ws, "empty_text")
+        await assert_alive(ws)
+        await ws.close()
+        return started, err
+
+    started, err = run(main())
+    assert started["type"] == "started" and err["id"] == "e2"
+
+
+def test_text_too_long(small):
+    err = _exchange(small, speak("t1", "a" * (MAX_TEXT + 1)), code="text_too_long")
+    assert err["id"] == "t1"
+    # exactly at the limit is accepted
+    ok = "word " * (MAX_TEXT // 5)
+
+    async def main():
+        ws = await connect_ready(small.ws)
+        await ws.send(speak("t2", ok[:MAX_TEXT], dur=1.0, seed=2))
+        u = (await collect(ws, ["t2"]))["t2"]
+        await ws.close()
+        return u
+
+    check_complete(run(main()))
+
+
+def test_text_too_long_over_several_appends(small):
+    async def main():
+        ws = await connect_ready(small.ws)
+        opts = {"params": {"max_duration_s": 1.0, "seed": 3}}
+        await ws.send(json.dumps({"type": "append", "id": "t3", "text": "b" * 150, **opts}))
+        assert (await recv_json(ws))["type"] == "started"
+        await ws.send(json.dumps({"type": "append", "id": "t3", "text": "c" * 60}))
+        err = await expect_error(ws, "text_too_long")
+        await ws.send(json.dumps({"type": "flush", "id": "t3"}))  # the utterance was ended
+        gone = await expect_error(ws, "unknown_id")
+        await assert_alive(ws)
+        await ws.close()
+        return err, gone
+
+    err, gone = run(main())
+    assert err["id"] == "t3" and gone["id"] == "t3"
+
+
+BAD_PARAMS = {
+    "temperature-negative": {"params": {"temperature": -1}},
+    "top_p-zero": {"params": {"top_p": 0}},
+    "top_p-above-one": {"params": {"top_p": 1.5}},
+    "top_k-negative": {"params": {"top_k": -1}},
+    "repetition_penalty": {"params": {"repetition_penalty": 1.1}},
+    "frequency_penalty": {"params": {"frequency_penalty": 0.5}},
+    "logit_bias": {"params": {"logit_bias": {}}},
+    "unknown-param": {"params": {"creativity": 11}},
+    "max_duration-zero": {"params": {"max_duration_s": 0}},
+    "max_duration-too-long": {"params": {"max_duration_s": 100}},
+    "params-not-object": {"params": [1, 2]},
+    "format": {"output": {"format": "mp3"}},
+    "sample_rate": {"output": {"sample_rate": 12345}},
+    "output-field": {"output": {"format": "pcm16", "channels": 2}},
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_PARAMS))
+def test_bad_parameter(small, name):
+    message = {"type": "speak", "id": "p1", "text": "Hello.", **BAD_PARAMS[name]}
+    if "params" in BAD_PARAMS[name] and isinstance(message["params"], dict):
+        message["params"].setdefault("max_duration_s", 1.0)
+    err = _exchange(small, json.dumps(message), code="bad_parameter")
+    assert err["id"] == "p1"
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        {"type": "speak", "text": "Hello."},
+        {"type": "speak", "id": 7, "text": "Hello."},
+        {"type": "speak", "id": "", "text": "Hello."},
+        {"type": "speak", "id": "x" * 256, "text": "Hello."},
+        {"type": "speak", "id": "n1", "text": 5},
+        {"type": "append", "id": "n2"},
+        {"type": "voice.upload", "transcript": "no size"},
+        {"type": "voice.create", "transcript": "no audio"},
+    ],
+    ids=["no-id", "int-id", "empty-id", "long-id", "text-int", "append-no-text", "upload", "b64"],
+)
+def test_missing_or_mistyped_fields(small, message):
+    _exchange(small, json.dumps(message), code="bad_request")
+
+
+def test_duplicate_id_while_running_then_reusable_after_done(small):
+    async def main():
+        ws = await connect_ready(small.ws)
+        await ws.send(speak("d", dur=2.0, seed=4))
+        await ws.send(speak("d", "Another text.", dur=1.0, seed=5))
+        utts = await collect(ws, ["d"], stop_on_error=False)
+        await assert_alive(ws)
+        await ws.send(speak("d", dur=1.0, seed=5))  # finished: the id is free again
+        again = (await collect(ws, ["d"]))["d"]
+        await ws.close()
+        return utts["d"], again
+
+    first, again = run(main())
+    assert [(e["code"], e["id"]) for e in first.errors] == [("duplicate_id", "d")]
+    assert first.kinds.count("started") == 1
+    first.errors = []
+    check_complete(first)
+    assert len(first.payload) == frames_for(2.0) * FRAME_BYTES
+    check_complete(again)
+
+
+@pytest.mark.parametrize("kind", ["cancel", "flush"])
+def test_cancel_or_flush_unknown_id(small, kind):
+    err = _exchange(small, json.dumps({"type": kind, "id": "never"}), code="unknown_id")
+    assert err["id"] == "never"
+
+
+def test_flush_of_a_speak_is_unknown_id(small):
+    async def main():
+        ws = await connect_ready(small.ws)
+        await ws.send(speak("s", dur=1.0, seed=6))
+        await ws.send(json.dumps({"type": "flush", "id": "s"}))
+        u = (await collect(ws, ["s"], stop_on_error=False))["s"]
+        await ws.close()
+        return u
+
+    u = run(main())
+    assert [e["code"] for e in u.errors] == ["unknown_id"]
+    u.errors = []
+    check_complete(u)
+
+
+def test_too_many_utterances(small):
+    async def main():
+        ws = await connect_ready(small.ws)
+        await ws.send(speak("m1", dur=2.0, seed=7))
+        await ws.send(speak("m2", dur=2.0, seed=8))
+        await ws.send(speak("m3", dur=1.0, seed=9))
+        utts = await collect(ws, ["m1", "m2", "m3"])
+        await assert_alive(ws)
+        await ws.close()
+        return utts
+
+    utts = run(main())
+    assert [e["code"] for e in utts["m3"].errors] == ["too_many_utterances"]
+    assert utts["m3"].started is None and utts["m3"].frames == []
+    for uid in ("m1", "m2"):
+        check_complete(utts[uid])
+
+
+def test_corrupt_reference_audio(small):
+    garbage = base64.b64encode(b"this is not audio at all " * 40).decode()
+    message = {"type": "voice.create", "audio_b64": garbage, "request_id": "req-7"}
+    err = _exchange(small, json.dumps(message), code="audio_undecodable")
+    assert err["request_id"] == "req-7"
+
+
+def test_invalid_base64(small):
+    message = {"type": "voice.create", "audio_b64": "@@not base64!!", "request_id": "req-8"}
+    _exchange(small, json.dumps(message), code="bad_request")
+
+
+def test_voice_upload_size_mismatch(small):
+    async def main():
+        ws = await connect_ready(small.ws)
+        announce = {"type": "voice.upload", "bytes": 1000, "request_id": "up-1"}
+        await ws.send(json.dumps(announce))
+        await ws.send(b"\x01" * 999)
+        err = await expect_error(ws, "bad_request")
+        await ws.send(b"\x01" * 1000)  # the announcement was used up
+        late = await expect_error(ws, "unexpected_binary")
+        await assert_alive(ws)
+        await ws.close()
+        return err, late
+
+    err, _ = run(main())
+    assert err["request_id"] == "up-1"
+    assert "1000" in err["message"] and "999" in err["message"]
+
+
+def test_voice_upload_over_the_upload_limit(small):
+    limit = small.services.settings.limits.max_upload_bytes
+    message = {"type": "voice.upload", "bytes": limit + 1, "request_id": "up-2"}
+    _exchange(small, json.dumps(message), code="message_too_large")

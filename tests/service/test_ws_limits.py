@@ -1,0 +1,197 @@
+"""Server-wide limits over real sockets: connection capacity (4429), idle timeout (4408),
+a full engine queue (over_capacity), and a client that stops reading (slow_consumer) while
+the server's memory stays bounded and other clients are served."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+
+import httpx
+import pytest
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
+
+from .conftest import (
+    assert_alive,
+    check_complete,
+    collect,
+    connect_ready,
+    expect_error,
+    recv_json,
+    recv_until,
+    run,
+    scrape,
+    speak,
+    wait_engine_idle,
+)
+
+
+async def _closed_with(ws, timeout: float = 10.0) -> tuple[int | None, list]:
+    """Reads until the server closes; returns its close code and what arrived before."""
+    got = []
+    with pytest.raises(ConnectionClosed):
+        while True:
+            got.append(await asyncio.wait_for(ws.recv(), timeout))
+    return ws.close_code, got
+
+
+def test_over_capacity_connection_gets_error_then_4429(make_server):
+    server = make_server(max_connections=1)
+
+    async def main():
+        first = await connect_ready(server.ws)
+        second = await connect(server.ws, open_timeout=30)
+        err = await recv_json(second)
+        code, rest = await _closed_with(second)
+        await assert_alive(first)  # the admitted connection is unaffected
+        await first.close()
+        # the slot is released once the first connection is gone
+        deadline = time.monotonic() + 10
+        while True:
+            third = await connect(server.ws, open_timeout=30)
+            message = await recv_json(third)
+            if message["type"] == "ready" or time.monotonic() > deadline:
+                break
+            await third.close()
+            await asyncio.sleep(0.1)
+        await assert_alive(third)
+        await third.close()
+        return err, code, rest, message
+
+    err, code, rest, message = run(main())
+    assert err["type"] == "error" and err["code"] == "over_capacity"
+    assert code == 4429 and rest == []
+    assert message["type"] == "ready"
+
+
+@pytest.fixture(scope="module")
+def idle_server(make_server):
+    return make_server(idle_timeout_s=1)
+
+
+def test_idle_connection_closes_with_4408(idle_server):
+    async def main():
+        ws = await connect_ready(idle_server.ws)
+        t0 = time.monotonic()
+        code, got = await _closed_with(ws)
+        return code, got, time.monotonic() - t0
+
+    code, got, waited = run(main())
+    assert code == 4408 and got == []
+    assert 0.8 <= waited <= 5.0
+
+
+def test_messages_and_running_audio_keep_a_connection_open(idle_server):
+    async def main():
+        ws = await connect_ready(idle_server.ws)
+        for _ in range(5):  # 2 s of pings, each well within the 1 s timeout
+            await asyncio.sleep(0.4)
+            await assert_alive(ws)
+        # an utterance whose generation outlasts the idle timeout is not cut off
+        await ws.send(speak("long", dur=6.0, seed=3))
+        t0 = time.monotonic()
+        u = (await collect(ws, ["long"]))["long"]
+        generating = time.monotonic() - t0
+        code, got = await _closed_with(ws)
+        return u, generating, code, got
+
+    u, generating, code, got = run(main())
+    check_complete(u)
+    assert generating > 1.0, "the utterance should take longer than the idle timeout"
+    assert code == 4408 and got == []
+
+
+def test_full_engine_queue_is_over_capacity(make_server):
+    server = make_server(max_num_seqs=1, max_waiting_requests=1)
+
+    async def main():
+        ws = await connect_ready(server.ws)
+        await ws.send(speak("q1", dur=4.0, seed=1))
+        await ws.send(speak("q2", dur=1.0, seed=2))  # waits: one sequence at a time
+        await recv_until(ws, "audio", id="q1")
+        await ws.send(speak("q3", dur=1.0, seed=3))
+        utts = await collect(ws, ["q1", "q2", "q3"], timeout=90)
+        await ws.close()
+        return utts
+
+    async def http_while_full():
+        ws = await connect_ready(server.ws)
+        await ws.send(speak("h1", dur=4.0, seed=1))
+        await ws.send(speak("h2", dur=1.0, seed=2))
+        await recv_until(ws, "audio", id="h1")
+        async with httpx.AsyncClient(timeout=30) as client:
+            r = await client.post(
+                server.http + "/v1/audio/speech", json={"input": "Hi.", "max_duration_s": 1}
+            )
+        await ws.send(json.dumps({"type": "cancel", "id": "h1"}))
+        await ws.send(json.dumps({"type": "cancel", "id": "h2"}))
+        await ws.close()
+        return r
+
+    utts = run(main())
+    assert [e["code"] for e in utts["q3"].errors] == ["over_capacity"]
+    assert utts["q3"].errors[0]["id"] == "q3"
+    check_complete(utts["q1"])
+    check_complete(utts["q2"])
+    r = run(http_while_full())
+    assert r.status_code == 503
+    assert r.json()["error"]["code"] == "over_capacity"
+    wait_engine_idle(server)
+
+
+def _stalled_socket(server) -> socket.socket:
+    """A TCP connection that holds almost nothing in flight: a 4 KiB receive buffer, and a
+    small MSS so the server's kernel send buffer stays small too."""
+    port = int(server.http.rsplit(":", 1)[1])
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 536)
+    sock.connect(("127.0.0.1", port))
+    sock.setblocking(False)
+    return sock
+
+
+def test_slow_reader_is_ended_with_slow_consumer(make_server):
+    limit = 100_000
+    server = make_server(max_buffered_audio_bytes=limit)
+    dur = 20.0
+
+    async def main():
+        slow = await connect(server.ws, sock=_stalled_socket(server), max_queue=1, compression=None)
+        assert (await recv_json(slow))["type"] == "ready"
+        await slow.send(speak("slow", "Talk for a long time.", dur=dur, seed=1))
+        # stop reading: wait until the server gives up on the utterance
+        deadline = time.monotonic() + 30
+        while scrape(server).get('clonecast_errors_total{code="slow_consumer"}', 0) < 1:
+            assert time.monotonic() < deadline, "no slow_consumer while the client is stalled"
+            await asyncio.sleep(0.2)
+        # still not reading: the engine is free again, nothing grows
+        await asyncio.to_thread(wait_engine_idle, server, 10)
+        # another client is served normally meanwhile
+        other = await connect_ready(server.ws)
+        await other.send(speak("fast", dur=1.0, seed=2))
+        fast = (await collect(other, ["fast"]))["fast"]
+        await other.close()
+        # now read everything the stalled client was sent
+        err, before = await recv_until(slow, "error", timeout=30)
+        extra = await assert_alive(slow)
+        await slow.close()
+        return fast, err, before, extra
+
+    fast, err, before, extra = run(main())
+    check_complete(fast)
+    assert len(fast.payload) == 48000
+    assert err["code"] == "slow_consumer" and err["id"] == "slow"
+    assert str(limit) in err["message"]
+    messages = [m for m in before if isinstance(m, dict)]
+    assert messages[0] == {"type": "started", "id": "slow", "segments": 1}
+    assert all(m["type"] == "audio" and m["id"] == "slow" for m in messages[1:])
+    assert not any(m["last"] for m in messages[1:])
+    sent = sum(m["bytes"] for m in messages[1:])
+    assert sent < dur * 48000 / 2, "the utterance should have been ended early"
+    assert extra == [], "nothing (no done, no audio) follows the slow_consumer error"
+    m = wait_engine_idle(server)
+    assert m["clonecast_num_requests_running"] == 0
