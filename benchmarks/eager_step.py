@@ -93,9 +93,8 @@ def main() -> None:
         del engine
         torch.cuda.empty_cache()
     print(f"\ndecode step, {torch.cuda.get_device_name()}, context ~{args.context}")
-    print(
-        f"{'variant':<14}{'batch':>6} {'step ms':>9} {'floor ms':>9} {'x floor':>8} {'audio-s/s':>10}"
-    )
+    header = ("variant", "batch", "step ms", "floor ms", "x floor", "audio-s/s")
+    print("{:<14}{:>6} {:>9} {:>9} {:>8} {:>10}".format(*header))
     for name, b, ms, fl in rows:
         print(
             f"{name:<14}{b:>6} {ms:>9.2f} {fl:>9.2f} {ms / fl:>8.2f} {b / (ms / 1e3) / 25:>10.1f}"
