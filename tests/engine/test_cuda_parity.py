@@ -34,9 +34,9 @@ def _scenarios(engine_factory, reference, ref_len):
     e = engine_factory(max_num_batched_tokens=64)
     rec = HiddenRecorder(e)
     voice = make_reference(3, ref_len, "a shared transcript")
-    reqs = [
-        ("c0", "Clone one, with a long reference.", voice, SamplingParams(seed=2, max_rows=5)),
+    reqs = [  # p1 decodes while c0's long prompt is prefilled in chunks: mixed steps
         ("p1", "plain", None, SamplingParams(seed=3, max_rows=8)),
+        ("c0", "Clone one, with a long reference.", voice, SamplingParams(seed=2, max_rows=5)),
         ("c2", "Clone two shares the voice.", voice, SamplingParams(temperature=0, max_rows=4)),
     ]
     prompts, rows = run(e, reqs[:2])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import dataclasses
 import io
 import json
@@ -23,6 +24,8 @@ from websockets.asyncio.client import connect
 from service.app import create_app
 from service.config import Limits, ServiceSettings
 from service.wire import unpack_audio
+
+LIVE_SERVERS: list = []  # every RunningServer not yet stopped
 
 
 class RunningServer:
@@ -47,12 +50,15 @@ class RunningServer:
         port = self.server.servers[0].sockets[0].getsockname()[1]
         self.http = f"http://127.0.0.1:{port}"
         self.ws = f"ws://127.0.0.1:{port}/v1/stream"
+        LIVE_SERVERS.append(self)
 
     @property
     def services(self):
         return self.app.state.services
 
     def stop(self) -> None:
+        if self in LIVE_SERVERS:
+            LIVE_SERVERS.remove(self)
         self.server.should_exit = True
         self.thread.join(timeout=30)
 
@@ -145,6 +151,29 @@ async def connect_ready(uri: str, **kwargs):
     return ws
 
 
+@contextlib.asynccontextmanager
+async def open_ws(uri: str, **kwargs):
+    """A connection whose `ready` was read; closed on the way out, also when a test fails (so
+    its utterances are cancelled and do not run on into the next test)."""
+    ws = await connect_ready(uri, **kwargs)
+    try:
+        yield ws
+    finally:
+        await ws.close()
+
+
+@pytest.fixture(autouse=True)
+def _engines_idle_after_test():
+    """Lets every live server's engine finish (or abort) its work before the next test, so
+    tests do not share a slow CPU and two engines never step at the same time."""
+    yield
+    deadline = time.monotonic() + 20
+    for server in list(LIVE_SERVERS):
+        engine = server.services.engine
+        while engine is not None and engine.has_unfinished() and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
 async def expect_error(ws, code: str, timeout: float = 30.0) -> dict:
     message = await recv_json(ws, timeout)
     assert message["type"] == "error", message
@@ -178,9 +207,12 @@ class Utt:
         return b"".join(f.payload for f in self.frames)
 
 
-async def collect(ws, ids, timeout: float = 60.0, stop_on_error: bool = True) -> dict[str, Utt]:
+async def collect(
+    ws, ids, timeout: float = 60.0, stop_on_error: bool = True, hook=None
+) -> dict[str, Utt]:
     """Reads until every id has its `done` (or an `error`); checks that each `audio` message
-    is immediately followed by its binary frame with the same id, seq and last."""
+    is immediately followed by its binary frame with the same id, seq and last. `hook(data)`,
+    if given, is awaited after each message."""
     utts = {uid: Utt() for uid in ids}
     deadline = time.monotonic() + timeout
 
@@ -213,6 +245,8 @@ async def collect(ws, ids, timeout: float = 60.0, stop_on_error: bool = True) ->
             u.errors.append(data)
         else:
             u.other.append(data)
+        if hook is not None:
+            await hook(data)
     return utts
 
 

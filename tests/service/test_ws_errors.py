@@ -15,9 +15,9 @@ from .conftest import (
     assert_alive,
     check_complete,
     collect,
-    connect_ready,
     expect_error,
     frames_for,
+    open_ws,
     recv_json,
     run,
     speak,
@@ -36,13 +36,12 @@ def _exchange(server, *frames, code: str) -> dict:
     """Sends frames on a fresh connection, expects one error with `code`, then a pong."""
 
     async def main():
-        ws = await connect_ready(server.ws)
-        for frame in frames:
-            await ws.send(frame)
-        err = await expect_error(ws, code)
-        before_pong = await assert_alive(ws)
-        await ws.close()
-        return err, before_pong
+        async with open_ws(server.ws) as ws:
+            for frame in frames:
+                await ws.send(frame)
+            err = await expect_error(ws, code)
+            before_pong = await assert_alive(ws)
+            return err, before_pong
 
     err, before_pong = run(main())
     assert before_pong == [], f"unexpected messages: {before_pong}"
@@ -81,12 +80,12 @@ def test_text_frame_over_max_message_bytes_keeps_the_connection(small):
 
 def test_frame_over_transport_limit_closes_with_1009(small):
     async def main():
-        ws = await connect_ready(small.ws, max_size=None)
-        await ws.send("x" * (3 * MAX_MESSAGE))
-        with pytest.raises(ConnectionClosed):
-            while True:
-                await recv_json(ws, timeout=10)
-        return ws.close_code
+        async with open_ws(small.ws, max_size=None) as ws:
+            await ws.send("x" * (3 * MAX_MESSAGE))
+            with pytest.raises(ConnectionClosed):
+                while True:
+                    await recv_json(ws, timeout=10)
+            return ws.close_code
 
     assert run(main()) == 1009
 
@@ -109,14 +108,13 @@ def test_empty_text_on_flush(small):
     ]
 
     async def main():
-        ws = await connect_ready(small.ws)
-        for frame in frames:
-            await ws.send(frame)
-        started = await recv_json(ws)
-        err = await expect_error(ws, "empty_text")
-        await assert_alive(ws)
-        await ws.close()
-        return started, err
+        async with open_ws(small.ws) as ws:
+            for frame in frames:
+                await ws.send(frame)
+            started = await recv_json(ws)
+            err = await expect_error(ws, "empty_text")
+            await assert_alive(ws)
+            return started, err
 
     started, err = run(main())
     assert started["type"] == "started" and err["id"] == "e2"
@@ -129,28 +127,26 @@ def test_text_too_long(small):
     ok = "word " * (MAX_TEXT // 5)
 
     async def main():
-        ws = await connect_ready(small.ws)
-        await ws.send(speak("t2", ok[:MAX_TEXT], dur=1.0, seed=2))
-        u = (await collect(ws, ["t2"]))["t2"]
-        await ws.close()
-        return u
+        async with open_ws(small.ws) as ws:
+            await ws.send(speak("t2", ok[:MAX_TEXT], dur=1.0, seed=2))
+            u = (await collect(ws, ["t2"]))["t2"]
+            return u
 
     check_complete(run(main()))
 
 
 def test_text_too_long_over_several_appends(small):
     async def main():
-        ws = await connect_ready(small.ws)
-        opts = {"params": {"max_duration_s": 1.0, "seed": 3}}
-        await ws.send(json.dumps({"type": "append", "id": "t3", "text": "b" * 150, **opts}))
-        assert (await recv_json(ws))["type"] == "started"
-        await ws.send(json.dumps({"type": "append", "id": "t3", "text": "c" * 60}))
-        err = await expect_error(ws, "text_too_long")
-        await ws.send(json.dumps({"type": "flush", "id": "t3"}))  # the utterance was ended
-        gone = await expect_error(ws, "unknown_id")
-        await assert_alive(ws)
-        await ws.close()
-        return err, gone
+        async with open_ws(small.ws) as ws:
+            opts = {"params": {"max_duration_s": 1.0, "seed": 3}}
+            await ws.send(json.dumps({"type": "append", "id": "t3", "text": "b" * 150, **opts}))
+            assert (await recv_json(ws))["type"] == "started"
+            await ws.send(json.dumps({"type": "append", "id": "t3", "text": "c" * 60}))
+            err = await expect_error(ws, "text_too_long")
+            await ws.send(json.dumps({"type": "flush", "id": "t3"}))  # the utterance was ended
+            gone = await expect_error(ws, "unknown_id")
+            await assert_alive(ws)
+            return err, gone
 
     err, gone = run(main())
     assert err["id"] == "t3" and gone["id"] == "t3"
@@ -203,15 +199,14 @@ def test_missing_or_mistyped_fields(small, message):
 
 def test_duplicate_id_while_running_then_reusable_after_done(small):
     async def main():
-        ws = await connect_ready(small.ws)
-        await ws.send(speak("d", dur=2.0, seed=4))
-        await ws.send(speak("d", "Another text.", dur=1.0, seed=5))
-        utts = await collect(ws, ["d"], stop_on_error=False)
-        await assert_alive(ws)
-        await ws.send(speak("d", dur=1.0, seed=5))  # finished: the id is free again
-        again = (await collect(ws, ["d"]))["d"]
-        await ws.close()
-        return utts["d"], again
+        async with open_ws(small.ws) as ws:
+            await ws.send(speak("d", dur=2.0, seed=4))
+            await ws.send(speak("d", "Another text.", dur=1.0, seed=5))
+            utts = await collect(ws, ["d"], stop_on_error=False)
+            await assert_alive(ws)
+            await ws.send(speak("d", dur=1.0, seed=5))  # finished: the id is free again
+            again = (await collect(ws, ["d"]))["d"]
+            return utts["d"], again
 
     first, again = run(main())
     assert [(e["code"], e["id"]) for e in first.errors] == [("duplicate_id", "d")]
@@ -230,12 +225,11 @@ def test_cancel_or_flush_unknown_id(small, kind):
 
 def test_flush_of_a_speak_is_unknown_id(small):
     async def main():
-        ws = await connect_ready(small.ws)
-        await ws.send(speak("s", dur=1.0, seed=6))
-        await ws.send(json.dumps({"type": "flush", "id": "s"}))
-        u = (await collect(ws, ["s"], stop_on_error=False))["s"]
-        await ws.close()
-        return u
+        async with open_ws(small.ws) as ws:
+            await ws.send(speak("s", dur=1.0, seed=6))
+            await ws.send(json.dumps({"type": "flush", "id": "s"}))
+            u = (await collect(ws, ["s"], stop_on_error=False))["s"]
+            return u
 
     u = run(main())
     assert [e["code"] for e in u.errors] == ["unknown_id"]
@@ -245,14 +239,13 @@ def test_flush_of_a_speak_is_unknown_id(small):
 
 def test_too_many_utterances(small):
     async def main():
-        ws = await connect_ready(small.ws)
-        await ws.send(speak("m1", dur=2.0, seed=7))
-        await ws.send(speak("m2", dur=2.0, seed=8))
-        await ws.send(speak("m3", dur=1.0, seed=9))
-        utts = await collect(ws, ["m1", "m2", "m3"])
-        await assert_alive(ws)
-        await ws.close()
-        return utts
+        async with open_ws(small.ws) as ws:
+            await ws.send(speak("m1", dur=2.0, seed=7))
+            await ws.send(speak("m2", dur=2.0, seed=8))
+            await ws.send(speak("m3", dur=1.0, seed=9))
+            utts = await collect(ws, ["m1", "m2", "m3"])
+            await assert_alive(ws)
+            return utts
 
     utts = run(main())
     assert [e["code"] for e in utts["m3"].errors] == ["too_many_utterances"]
@@ -275,16 +268,15 @@ def test_invalid_base64(small):
 
 def test_voice_upload_size_mismatch(small):
     async def main():
-        ws = await connect_ready(small.ws)
-        announce = {"type": "voice.upload", "bytes": 1000, "request_id": "up-1"}
-        await ws.send(json.dumps(announce))
-        await ws.send(b"\x01" * 999)
-        err = await expect_error(ws, "bad_request")
-        await ws.send(b"\x01" * 1000)  # the announcement was used up
-        late = await expect_error(ws, "unexpected_binary")
-        await assert_alive(ws)
-        await ws.close()
-        return err, late
+        async with open_ws(small.ws) as ws:
+            announce = {"type": "voice.upload", "bytes": 1000, "request_id": "up-1"}
+            await ws.send(json.dumps(announce))
+            await ws.send(b"\x01" * 999)
+            err = await expect_error(ws, "bad_request")
+            await ws.send(b"\x01" * 1000)  # the announcement was used up
+            late = await expect_error(ws, "unexpected_binary")
+            await assert_alive(ws)
+            return err, late
 
     err, _ = run(main())
     assert err["request_id"] == "up-1"

@@ -18,8 +18,7 @@ from .conftest import (
     assert_alive,
     check_complete,
     collect,
-    connect_ready,
-    expect_error,
+    open_ws,
     recv_json,
     recv_until,
     run,
@@ -42,29 +41,26 @@ def test_over_capacity_connection_gets_error_then_4429(make_server):
     server = make_server(max_connections=1)
 
     async def main():
-        first = await connect_ready(server.ws)
-        second = await connect(server.ws, open_timeout=30)
-        err = await recv_json(second)
-        code, rest = await _closed_with(second)
-        await assert_alive(first)  # the admitted connection is unaffected
-        await first.close()
+        async with open_ws(server.ws) as first:
+            async with connect(server.ws, open_timeout=30) as second:
+                err = await recv_json(second)
+                code, rest = await _closed_with(second)
+            await assert_alive(first)  # the admitted connection is unaffected
         # the slot is released once the first connection is gone
         deadline = time.monotonic() + 10
         while True:
-            third = await connect(server.ws, open_timeout=30)
-            message = await recv_json(third)
-            if message["type"] == "ready" or time.monotonic() > deadline:
-                break
-            await third.close()
+            async with connect(server.ws, open_timeout=30) as third:
+                message = await recv_json(third)
+                if message["type"] == "ready":
+                    await assert_alive(third)
+                    break
+            assert time.monotonic() < deadline, "the closed connection still counts"
             await asyncio.sleep(0.1)
-        await assert_alive(third)
-        await third.close()
-        return err, code, rest, message
+        return err, code, rest
 
-    err, code, rest, message = run(main())
+    err, code, rest = run(main())
     assert err["type"] == "error" and err["code"] == "over_capacity"
     assert code == 4429 and rest == []
-    assert message["type"] == "ready"
 
 
 @pytest.fixture(scope="module")
@@ -74,10 +70,10 @@ def idle_server(make_server):
 
 def test_idle_connection_closes_with_4408(idle_server):
     async def main():
-        ws = await connect_ready(idle_server.ws)
-        t0 = time.monotonic()
-        code, got = await _closed_with(ws)
-        return code, got, time.monotonic() - t0
+        async with open_ws(idle_server.ws) as ws:
+            t0 = time.monotonic()
+            code, got = await _closed_with(ws)
+            return code, got, time.monotonic() - t0
 
     code, got, waited = run(main())
     assert code == 4408 and got == []
@@ -86,17 +82,17 @@ def test_idle_connection_closes_with_4408(idle_server):
 
 def test_messages_and_running_audio_keep_a_connection_open(idle_server):
     async def main():
-        ws = await connect_ready(idle_server.ws)
-        for _ in range(5):  # 2 s of pings, each well within the 1 s timeout
-            await asyncio.sleep(0.4)
-            await assert_alive(ws)
-        # an utterance whose generation outlasts the idle timeout is not cut off
-        await ws.send(speak("long", dur=6.0, seed=3))
-        t0 = time.monotonic()
-        u = (await collect(ws, ["long"]))["long"]
-        generating = time.monotonic() - t0
-        code, got = await _closed_with(ws)
-        return u, generating, code, got
+        async with open_ws(idle_server.ws) as ws:
+            for _ in range(5):  # 2 s of pings, each well within the 1 s timeout
+                await asyncio.sleep(0.4)
+                await assert_alive(ws)
+            # an utterance whose generation outlasts the idle timeout is not cut off
+            await ws.send(speak("long", dur=6.0, seed=3))
+            t0 = time.monotonic()
+            u = (await collect(ws, ["long"]))["long"]
+            generating = time.monotonic() - t0
+            code, got = await _closed_with(ws)
+            return u, generating, code, got
 
     u, generating, code, got = run(main())
     check_complete(u)
@@ -108,28 +104,30 @@ def test_full_engine_queue_is_over_capacity(make_server):
     server = make_server(max_num_seqs=1, max_waiting_requests=1)
 
     async def main():
-        ws = await connect_ready(server.ws)
-        await ws.send(speak("q1", dur=4.0, seed=1))
-        await ws.send(speak("q2", dur=1.0, seed=2))  # waits: one sequence at a time
-        await recv_until(ws, "audio", id="q1")
-        await ws.send(speak("q3", dur=1.0, seed=3))
-        utts = await collect(ws, ["q1", "q2", "q3"], timeout=90)
-        await ws.close()
-        return utts
+        async with open_ws(server.ws) as ws:
+            await ws.send(speak("q1", dur=4.0, seed=1))
+            await ws.send(speak("q2", dur=1.0, seed=2))  # waits: one sequence at a time
+            sent = []
+
+            async def hook(message):
+                if message["type"] == "audio" and not sent:  # q2 is waiting by now
+                    sent.append(True)
+                    await ws.send(speak("q3", dur=1.0, seed=3))
+
+            return await collect(ws, ["q1", "q2", "q3"], timeout=90, hook=hook)
 
     async def http_while_full():
-        ws = await connect_ready(server.ws)
-        await ws.send(speak("h1", dur=4.0, seed=1))
-        await ws.send(speak("h2", dur=1.0, seed=2))
-        await recv_until(ws, "audio", id="h1")
-        async with httpx.AsyncClient(timeout=30) as client:
-            r = await client.post(
-                server.http + "/v1/audio/speech", json={"input": "Hi.", "max_duration_s": 1}
-            )
-        await ws.send(json.dumps({"type": "cancel", "id": "h1"}))
-        await ws.send(json.dumps({"type": "cancel", "id": "h2"}))
-        await ws.close()
-        return r
+        async with open_ws(server.ws) as ws:
+            await ws.send(speak("h1", dur=4.0, seed=1))
+            await ws.send(speak("h2", dur=1.0, seed=2))
+            await recv_until(ws, "audio", id="h1")
+            async with httpx.AsyncClient(timeout=30) as client:
+                r = await client.post(
+                    server.http + "/v1/audio/speech", json={"input": "Hi.", "max_duration_s": 1}
+                )
+            await ws.send(json.dumps({"type": "cancel", "id": "h1"}))
+            await ws.send(json.dumps({"type": "cancel", "id": "h2"}))
+            return r
 
     utts = run(main())
     assert [e["code"] for e in utts["q3"].errors] == ["over_capacity"]
@@ -160,8 +158,12 @@ def test_slow_reader_is_ended_with_slow_consumer(make_server):
     dur = 20.0
 
     async def main():
-        slow = await connect(server.ws, sock=_stalled_socket(server), max_queue=1, compression=None)
-        assert (await recv_json(slow))["type"] == "ready"
+        sock = _stalled_socket(server)
+        async with connect(server.ws, sock=sock, max_queue=1, compression=None) as slow:
+            assert (await recv_json(slow))["type"] == "ready"
+            return await stalled(slow)
+
+    async def stalled(slow):
         await slow.send(speak("slow", "Talk for a long time.", dur=dur, seed=1))
         # stop reading: wait until the server gives up on the utterance
         deadline = time.monotonic() + 30
@@ -171,14 +173,12 @@ def test_slow_reader_is_ended_with_slow_consumer(make_server):
         # still not reading: the engine is free again, nothing grows
         await asyncio.to_thread(wait_engine_idle, server, 10)
         # another client is served normally meanwhile
-        other = await connect_ready(server.ws)
-        await other.send(speak("fast", dur=1.0, seed=2))
-        fast = (await collect(other, ["fast"]))["fast"]
-        await other.close()
+        async with open_ws(server.ws) as other:
+            await other.send(speak("fast", dur=1.0, seed=2))
+            fast = (await collect(other, ["fast"]))["fast"]
         # now read everything the stalled client was sent
         err, before = await recv_until(slow, "error", timeout=30)
         extra = await assert_alive(slow)
-        await slow.close()
         return fast, err, before, extra
 
     fast, err, before, extra = run(main())

@@ -23,9 +23,9 @@ from .conftest import (
     assert_alive,
     check_complete,
     collect,
-    connect_ready,
     expect_error,
     frames_for,
+    open_ws,
     recv_json,
     recv_until,
     run,
@@ -37,12 +37,8 @@ from .conftest import (
 
 def test_ready_message_describes_protocol_model_audio_and_limits(server):
     async def main():
-        ws = await connect_ready(server.ws)  # reads and checks `ready`
-        await ws.close()
-        ws = await connect(server.ws)
-        ready = await recv_json(ws)
-        await ws.close()
-        return ready
+        async with connect(server.ws, open_timeout=30) as ws:
+            return await recv_json(ws)
 
     ready = run(main())
     assert ready["type"] == "ready"
@@ -66,11 +62,10 @@ def test_speak_round_trip_chunks_and_done_stats(server):
     dur = 3.0
 
     async def main():
-        ws = await connect_ready(server.ws)
-        await ws.send(speak("utt-1", "Hello there, this is a test.", dur=dur, seed=1))
-        utts = await collect(ws, ["utt-1"])
-        await ws.close()
-        return utts["utt-1"]
+        async with open_ws(server.ws) as ws:
+            await ws.send(speak("utt-1", "Hello there, this is a test.", dur=dur, seed=1))
+            utts = await collect(ws, ["utt-1"])
+            return utts["utt-1"]
 
     u = run(main())
     check_complete(u)
@@ -91,7 +86,7 @@ def test_speak_round_trip_chunks_and_done_stats(server):
         assert (h["format"], h["sample_rate"]) == ("pcm16", 24000)
     timed = [h for h in u.headers if h["bytes"]]
     assert (timed[0]["start_ms"], timed[0]["end_ms"]) == (0, 320)
-    for a, b in zip(timed, timed[1:]):
+    for a, b in zip(timed, timed[1:], strict=False):
         assert b["start_ms"] == a["end_ms"]
     assert timed[-1]["end_ms"] == round(dur * 1000)
     for h in timed:
@@ -110,11 +105,10 @@ def test_speak_round_trip_chunks_and_done_stats(server):
 
 def test_speak_one_second_is_exactly_25_frames(server):
     async def main():
-        ws = await connect_ready(server.ws)
-        await ws.send(speak("a", dur=1.0, seed=2))
-        utts = await collect(ws, ["a"])
-        await ws.close()
-        return utts["a"]
+        async with open_ws(server.ws) as ws:
+            await ws.send(speak("a", dur=1.0, seed=2))
+            utts = await collect(ws, ["a"])
+            return utts["a"]
 
     u = run(main())
     check_complete(u)
@@ -141,11 +135,10 @@ def test_output_formats_have_consistent_sample_counts(server, name):
     dur = 1.0
 
     async def main():
-        ws = await connect_ready(server.ws)
-        await ws.send(speak("f", dur=dur, seed=3, output=output))
-        utts = await collect(ws, ["f"])
-        await ws.close()
-        return utts["f"]
+        async with open_ws(server.ws) as ws:
+            await ws.send(speak("f", dur=dur, seed=3, output=output))
+            utts = await collect(ws, ["f"])
+            return utts["f"]
 
     u = run(main())
     check_complete(u, first_bytes=None)
@@ -195,13 +188,12 @@ def test_resampling_is_continuous_across_chunks(server):
     the whole 24 kHz utterance at once (no clicks at chunk boundaries)."""
 
     async def main():
-        ws = await connect_ready(server.ws)
-        out = {}
-        for uid, output in (("r24", {}), ("r16", {"sample_rate": 16000}), ("again", {})):
-            await ws.send(speak(uid, dur=2.0, seed=11, output=output))
-            out[uid] = (await collect(ws, [uid]))[uid]
-        await ws.close()
-        return out
+        async with open_ws(server.ws) as ws:
+            out = {}
+            for uid, output in (("r24", {}), ("r16", {"sample_rate": 16000}), ("again", {})):
+                await ws.send(speak(uid, dur=2.0, seed=11, output=output))
+                out[uid] = (await collect(ws, [uid]))[uid]
+            return out
 
     out = run(main())
     for u in out.values():
@@ -219,23 +211,22 @@ def test_resampling_is_continuous_across_chunks(server):
 
 def test_incremental_append_flush(server):
     async def main():
-        ws = await connect_ready(server.ws)
-        opts = {"params": {"max_duration_s": 1.0, "seed": 4}}
-        await ws.send(
-            json.dumps({"type": "append", "id": "inc", "text": "The first sentence. ", **opts})
-        )
-        started = await recv_json(ws)
-        assert started == {"type": "started", "id": "inc", "segments": 0}
-        # the complete first sentence speaks before any flush
-        first_audio, before = await recv_until(ws, "audio", id="inc")
-        assert before == [] and first_audio["seq"] == 0
-        first_frame = await ws.recv()
-        await ws.send(json.dumps({"type": "append", "id": "inc", "text": "And the second one"}))
-        await ws.send(json.dumps({"type": "flush", "id": "inc"}))
-        await ws.send(json.dumps({"type": "append", "id": "inc", "text": "Too late."}))
-        utts = await collect(ws, ["inc"], stop_on_error=False)
-        await ws.close()
-        return first_audio, first_frame, utts["inc"]
+        async with open_ws(server.ws) as ws:
+            opts = {"params": {"max_duration_s": 1.0, "seed": 4}}
+            await ws.send(
+                json.dumps({"type": "append", "id": "inc", "text": "The first sentence. ", **opts})
+            )
+            started = await recv_json(ws)
+            assert started == {"type": "started", "id": "inc", "segments": 0}
+            # the complete first sentence speaks before any flush
+            first_audio, before = await recv_until(ws, "audio", id="inc")
+            assert before == [] and first_audio["seq"] == 0
+            first_frame = await ws.recv()
+            await ws.send(json.dumps({"type": "append", "id": "inc", "text": "And the second one"}))
+            await ws.send(json.dumps({"type": "flush", "id": "inc"}))
+            await ws.send(json.dumps({"type": "append", "id": "inc", "text": "Too late."}))
+            utts = await collect(ws, ["inc"], stop_on_error=False)
+            return first_audio, first_frame, utts["inc"]
 
     first_audio, first_frame, u = run(main())
     assert first_audio["bytes"] == 15360 and len(first_frame) > 15360
@@ -257,28 +248,27 @@ def test_incremental_append_flush(server):
 
 def test_cancel_stops_audio_and_frees_the_engine(server):
     async def main():
-        ws = await connect_ready(server.ws)
-        await ws.send(speak("long", "A much longer utterance.", dur=6.0, seed=5))
-        await recv_until(ws, "audio", id="long")
-        frame = await ws.recv()
-        assert isinstance(frame, bytes)
-        await ws.send(json.dumps({"type": "cancel", "id": "long"}))
-        _, before_ack = await recv_until(ws, "cancelled", id="long")
-        # only complete audio pairs may precede the ack; nothing for "long" after it
-        after = []
-        end = time.monotonic() + 1.0
-        while time.monotonic() < end:
-            try:
-                after.append(await asyncio.wait_for(ws.recv(), end - time.monotonic()))
-            except TimeoutError:
-                break
-        after += await assert_alive(ws)
-        await ws.send(json.dumps({"type": "cancel", "id": "long"}))
-        gone = await expect_error(ws, "unknown_id")
-        await ws.send(speak("next", dur=1.0, seed=6))
-        nxt = (await collect(ws, ["next"]))["next"]
-        await ws.close()
-        return before_ack, after, gone, nxt
+        async with open_ws(server.ws) as ws:
+            await ws.send(speak("long", "A much longer utterance.", dur=6.0, seed=5))
+            await recv_until(ws, "audio", id="long")
+            frame = await ws.recv()
+            assert isinstance(frame, bytes)
+            await ws.send(json.dumps({"type": "cancel", "id": "long"}))
+            _, before_ack = await recv_until(ws, "cancelled", id="long")
+            # only complete audio pairs may precede the ack; nothing for "long" after it
+            after = []
+            end = time.monotonic() + 1.0
+            while time.monotonic() < end:
+                try:
+                    after.append(await asyncio.wait_for(ws.recv(), end - time.monotonic()))
+                except TimeoutError:
+                    break
+            after += await assert_alive(ws)
+            await ws.send(json.dumps({"type": "cancel", "id": "long"}))
+            gone = await expect_error(ws, "unknown_id")
+            await ws.send(speak("next", dur=1.0, seed=6))
+            nxt = (await collect(ws, ["next"]))["next"]
+            return before_ack, after, gone, nxt
 
     before_ack, after, gone, nxt = run(main())
     assert all(isinstance(m, bytes) or m["type"] == "audio" for m in before_ack)
@@ -294,12 +284,11 @@ def test_three_concurrent_utterances_on_one_socket(server):
     ids = ["c1", "c2", "c3"]
 
     async def main():
-        ws = await connect_ready(server.ws)
-        for i, uid in enumerate(ids):
-            await ws.send(speak(uid, f"Sentence number {i}.", dur=1.0 + i, seed=30 + i))
-        utts = await collect(ws, ids)
-        await ws.close()
-        return utts
+        async with open_ws(server.ws) as ws:
+            for i, uid in enumerate(ids):
+                await ws.send(speak(uid, f"Sentence number {i}.", dur=1.0 + i, seed=30 + i))
+            utts = await collect(ws, ids)
+            return utts
 
     utts = run(main())
     for i, uid in enumerate(ids):
@@ -314,12 +303,12 @@ def test_three_concurrent_utterances_on_one_socket(server):
 
 def test_vanished_client_frees_its_engine_requests(server):
     async def main():
-        ws = await connect_ready(server.ws)
-        await ws.send(speak("gone", "Nobody will hear this.", dur=20.0, seed=8))
-        await ws.send(speak("gone2", "Nor this.", dur=20.0, seed=9))
-        await recv_until(ws, "audio", id="gone")
-        assert scrape(server)["clonecast_num_requests_running"] >= 1
-        ws.transport.abort()  # no close frame: the TCP connection just drops
+        async with open_ws(server.ws) as ws:
+            await ws.send(speak("gone", "Nobody will hear this.", dur=20.0, seed=8))
+            await ws.send(speak("gone2", "Nor this.", dur=20.0, seed=9))
+            await recv_until(ws, "audio", id="gone")
+            assert scrape(server)["clonecast_num_requests_running"] >= 1
+            ws.transport.abort()  # no close frame: the TCP connection just drops
 
     run(main())
     m = wait_engine_idle(server, timeout=10)

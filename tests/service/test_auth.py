@@ -1,0 +1,171 @@
+"""API keys and allowed browser origins, on the WebSocket (error, then close 4401 / 4403)
+and on HTTP (401 JSON errors)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
+
+from .conftest import (
+    FRAME_BYTES,
+    assert_alive,
+    check_complete,
+    collect,
+    frames_for,
+    recv_json,
+    run,
+    speak,
+)
+
+
+@pytest.fixture(scope="module")
+def keyed(make_server):
+    return make_server(api_keys=("k1", "k2"))
+
+
+@pytest.fixture(scope="module")
+def origins(make_server):
+    return make_server(allowed_origins=("https://ok.example",))
+
+
+def _refused(uri: str, **kwargs) -> tuple[dict, int | None, list]:
+    async def main():
+        async with connect(uri, open_timeout=30, **kwargs) as ws:
+            first = await recv_json(ws)
+            rest = []
+            with pytest.raises(ConnectionClosed):
+                while True:
+                    rest.append(await ws.recv())
+            return first, ws.close_code, rest
+
+    return run(main())
+
+
+def _accepted(uri: str, speak_too: bool = False, **kwargs):
+    async def main():
+        async with connect(uri, open_timeout=30, **kwargs) as ws:
+            ready = await recv_json(ws)
+            assert ready["type"] == "ready", ready
+            await assert_alive(ws)
+            u = None
+            if speak_too:
+                await ws.send(speak("auth", dur=1.0, seed=1))
+                u = (await collect(ws, ["auth"]))["auth"]
+            return ws.subprotocol, u
+
+    return run(main())
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"additional_headers": {"Authorization": "Bearer wrong"}},
+        {"additional_headers": {"X-API-Key": "k3"}},
+        {"query": "?api_key=k"},
+        {"subprotocols": ["clonecast.v1", "bearer.nope"]},
+        {"additional_headers": {"Authorization": "Basic azE6"}},
+    ],
+    ids=["none", "bearer-wrong", "x-api-key-wrong", "query-prefix", "subprotocol-wrong", "basic"],
+)
+def test_ws_without_a_valid_key_is_refused_with_4401(keyed, kwargs):
+    kwargs = dict(kwargs)
+    uri = keyed.ws + kwargs.pop("query", "")
+    err, code, rest = _refused(uri, **kwargs)
+    assert err["type"] == "error" and err["code"] == "unauthorized"
+    assert code == 4401
+    assert rest == []
+
+
+def test_ws_bearer_header(keyed):
+    _, u = _accepted(keyed.ws, speak_too=True, additional_headers={"Authorization": "Bearer k2"})
+    check_complete(u)
+    assert len(u.payload) == frames_for(1.0) * FRAME_BYTES
+
+
+def test_ws_x_api_key_header(keyed):
+    _accepted(keyed.ws, additional_headers={"X-API-Key": "k1"})
+
+
+def test_ws_query_parameter(keyed):
+    _accepted(keyed.ws + "?api_key=k1")
+
+
+def test_ws_bearer_subprotocol_negotiates_clonecast_v1(keyed):
+    subprotocol, _ = _accepted(keyed.ws, subprotocols=["clonecast.v1", "bearer.k1"])
+    assert subprotocol == "clonecast.v1"
+
+
+def test_ws_subprotocol_is_negotiated_without_keys_too(server):
+    subprotocol, _ = _accepted(server.ws, subprotocols=["clonecast.v1"])
+    assert subprotocol == "clonecast.v1"
+    subprotocol, _ = _accepted(server.ws)
+    assert subprotocol is None
+
+
+@pytest.mark.parametrize(
+    "method, path",
+    [
+        ("GET", "/v1/voices"),
+        ("GET", "/v1/voices/v_x"),
+        ("DELETE", "/v1/voices/v_x"),
+        ("POST", "/v1/voices"),
+        ("POST", "/v1/audio/speech"),
+    ],
+)
+def test_http_without_key_is_401(keyed, method, path):
+    for headers in ({}, {"X-API-Key": "wrong"}, {"Authorization": "Bearer k1x"}):
+        r = httpx.request(method, keyed.http + path, headers=headers, json={}, timeout=30)
+        assert r.status_code == 401, (headers, r.text)
+        assert r.json()["error"]["code"] == "unauthorized"
+        assert r.json()["error"]["message"]
+
+
+def test_http_with_key(keyed):
+    r = httpx.get(keyed.http + "/v1/voices", headers={"X-API-Key": "k1"}, timeout=30)
+    assert r.status_code == 200 and r.json() == {"voices": []}
+    r = httpx.get(keyed.http + "/v1/voices", headers={"Authorization": "Bearer k2"}, timeout=30)
+    assert r.status_code == 200
+    r = httpx.get(keyed.http + "/v1/voices?api_key=k2", timeout=30)
+    assert r.status_code == 200
+    body = {"input": "Hi there.", "response_format": "pcm", "max_duration_s": 1, "seed": 1}
+    r = httpx.post(
+        keyed.http + "/v1/audio/speech", json=body, headers={"X-API-Key": "k2"}, timeout=60
+    )
+    assert r.status_code == 200 and len(r.content) == frames_for(1.0) * FRAME_BYTES
+    # liveness needs no key
+    assert httpx.get(keyed.http + "/health", timeout=30).status_code == 200
+
+
+def test_ws_forbidden_origin_is_refused_with_4403(origins):
+    err, code, rest = _refused(origins.ws, origin="https://evil.example")
+    assert err["type"] == "error" and err["code"] == "forbidden_origin"
+    assert code == 4403 and rest == []
+
+
+def test_ws_allowed_origin_and_no_origin(origins):
+    _accepted(origins.ws, origin="https://ok.example")
+    _, u = _accepted(origins.ws, speak_too=True)  # a non-browser client sends no Origin
+    check_complete(u)
+
+
+def test_http_cors_preflight(origins):
+    preflight = {
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "content-type",
+    }
+    r = httpx.options(
+        origins.http + "/v1/audio/speech",
+        headers={"Origin": "https://ok.example", **preflight},
+        timeout=30,
+    )
+    assert r.status_code == 200
+    assert r.headers["access-control-allow-origin"] == "https://ok.example"
+    r = httpx.options(
+        origins.http + "/v1/audio/speech",
+        headers={"Origin": "https://evil.example", **preflight},
+        timeout=30,
+    )
+    assert r.headers.get("access-control-allow-origin") != "https://evil.example"
