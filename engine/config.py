@@ -159,6 +159,7 @@ class EngineConfig:
     kv_cache_memory_fraction: float = 0.6
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # auto: triton on CUDA, torch on the CPU
+    fused_kernels: bool = True  # Triton norm/RoPE/SiLU kernels on CUDA; False: plain torch
     cuda_graphs: bool = True  # FULL backbone graphs (CUDA with the Triton backend); False: eager
     codec_dtype: str = "float32"
     stream: StreamConfig = StreamConfig()

@@ -126,7 +126,10 @@ class Engine:
         backend = config.attention_backend
         if backend == "auto":
             backend = "triton" if device.type == "cuda" else "torch"
-        self.model, self.codec_keys = load_model(checkpoint, make_backend(backend), device, dtype)
+        fused = device.type == "cuda" and config.fused_kernels
+        self.model, self.codec_keys = load_model(
+            checkpoint, make_backend(backend), device, dtype, fused
+        )
         if config.max_model_len > self.model.config.max_position_embeddings:
             raise ConfigError(
                 f"max_model_len {config.max_model_len} exceeds the model's "

@@ -129,12 +129,13 @@ def load_model(
     backend: AttentionBackend,
     device: torch.device,
     dtype: torch.dtype,
+    fused: bool = False,
 ) -> tuple[HiggsModel, list[str]]:
     """Builds the model on `device` in `dtype` and fills it from the checkpoint. Returns the
     model and the names of the codec keys found (loaded by the codec, not here)."""
     _, cfg = read_config(ckpt)
     with torch.device(device):
-        model = HiggsModel(cfg, backend)
+        model = HiggsModel(cfg, backend, fused)
     for p in model.parameters():
         p.data = p.data.to(dtype)
     params = dict(model.named_parameters())

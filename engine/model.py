@@ -52,6 +52,62 @@ class RotaryEmbedding(nn.Module):
         return (xf * cos + rotated * sin).to(x.dtype)
 
 
+class TorchOps:
+    """The decoder's elementwise steps in plain torch (CPU, and the reference on a GPU)."""
+
+    @staticmethod
+    def add_rms_norm(x, residual, weight, eps):
+        total = x if residual is None else (x.float() + residual.float()).to(x.dtype)
+        xf = total.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * normed.to(x.dtype), total
+
+    @staticmethod
+    def qk_norm_rope(attn, qkv, positions, rope):
+        t = qkv.shape[0]
+        q, k, _ = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+        q = rope(attn.q_norm(q.reshape(t, attn.num_heads, attn.head_dim)), positions)
+        k = rope(attn.k_norm(k.reshape(t, attn.num_kv_heads, attn.head_dim)), positions)
+        return q, k
+
+    @staticmethod
+    def silu_mul(gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+class TritonOps:
+    """The same steps as fused Triton kernels (kernels/norm_rope.py)."""
+
+    @staticmethod
+    def add_rms_norm(x, residual, weight, eps):
+        from kernels.norm_rope import add_rms_norm
+
+        return add_rms_norm(x, residual, weight, eps)
+
+    @staticmethod
+    def qk_norm_rope(attn, qkv, positions, rope):
+        from kernels.norm_rope import qk_norm_rope
+
+        return qk_norm_rope(
+            qkv,
+            attn.q_norm.weight,
+            attn.k_norm.weight,
+            rope.cos,
+            rope.sin,
+            positions,
+            attn.num_heads,
+            attn.num_kv_heads,
+            attn.q_norm.eps,
+        )
+
+    @staticmethod
+    def silu_mul(gate_up):
+        from kernels.norm_rope import silu_mul
+
+        return silu_mul(gate_up)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend):
         super().__init__()
@@ -69,12 +125,11 @@ class Attention(nn.Module):
         self.backend = backend
         self.scale = cfg.head_dim**-0.5
 
-    def forward(self, x, positions, kv_cache, rope: RotaryEmbedding):
+    def forward(self, x, positions, kv_cache, rope: RotaryEmbedding, ops):
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = rope(self.q_norm(q.view(t, self.num_heads, self.head_dim)), positions)
-        k = rope(self.k_norm(k.view(t, self.num_kv_heads, self.head_dim)), positions)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        q, k = ops.qk_norm_rope(self, qkv, positions, rope)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         out = self.backend.forward(q, k, v, kv_cache, current_metadata(), self.scale)
         return self.o_proj(out.reshape(t, self.q_size))
 
@@ -85,9 +140,8 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x, ops):
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -98,18 +152,24 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, positions, kv_cache, rope):
-        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, rope)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, positions, kv_cache, rope, ops):
+        """`(x, residual) -> (x, residual)`; the residual sum is carried to the next norm so
+        add and norm run as one step."""
+        eps = self.input_layernorm.eps
+        h, residual = ops.add_rms_norm(x, residual, self.input_layernorm.weight, eps)
+        h = self.self_attn(h, positions, kv_cache, rope, ops)
+        h, residual = ops.add_rms_norm(h, residual, self.post_attention_layernorm.weight, eps)
+        return self.mlp(h, ops), residual
 
 
 class HiggsModel(nn.Module):
     """`forward(embeds [T, H], positions [T], kv_caches) -> hidden [T, H]` (after the final
     norm); `embed(...)` builds the input embeddings; `audio_logits(hidden)` -> `[R, 8, 1026]`."""
 
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, fused: bool = False):
         super().__init__()
         self.config = cfg
+        self.ops = TritonOps if fused else TorchOps
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.audio_embed = nn.Embedding(cfg.num_codebooks * cfg.codebook_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
@@ -133,10 +193,10 @@ class HiggsModel(nn.Module):
         return torch.where(is_audio[:, None], audio, text)
 
     def forward(self, embeds, positions, kv_caches: list[torch.Tensor]) -> torch.Tensor:
-        x = embeds
+        x, residual = embeds, None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, positions, kv_cache, self.rope)
-        return self.norm(x)
+            x, residual = layer(x, residual, positions, kv_cache, self.rope, self.ops)
+        return self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
 
     def audio_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Tied audio head: `hidden [R, H] @ E.T` as fp32 logits `[R, 8, 1026]`."""

@@ -1,0 +1,162 @@
+"""Fused elementwise kernels of the decoder layer, each with its plain torch reference:
+residual add + RMSNorm, per-head q/k RMSNorm + RoPE, and SiLU-gated multiply.
+
+Rounding follows transformers' Qwen3 exactly (fp32 math, rounded to the model dtype at the
+same points), so a fused step equals the unfused one up to the last-bit differences of fp32
+transcendental functions.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _add_rms_norm_kernel(
+    x_ptr,
+    r_ptr,
+    w_ptr,
+    out_ptr,
+    sum_ptr,
+    eps,
+    H: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < H
+    x = tl.load(x_ptr + row * H + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        x = x.to(tl.float32) + tl.load(r_ptr + row * H + cols, mask=mask, other=0.0).to(tl.float32)
+        x = x.to(out_ptr.dtype.element_ty)
+        tl.store(sum_ptr + row * H + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / H + eps)
+    normed = (xf * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * H + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    """(rms_norm(x + residual), x + residual); without a residual, (rms_norm(x), x)."""
+    h = x.shape[-1]
+    out = torch.empty_like(x)
+    total = torch.empty_like(x) if residual is not None else x
+    _add_rms_norm_kernel[(x.shape[0],)](
+        x,
+        residual if residual is not None else x,
+        weight,
+        out,
+        total,
+        eps,
+        H=h,
+        BLOCK=triton.next_power_of_2(h),
+        HAS_RESIDUAL=residual is not None,
+    )
+    return out, total
+
+
+def add_rms_norm_reference(x, residual, weight, eps):
+    total = x if residual is None else (x.float() + residual.float()).to(x.dtype)
+    xf = total.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype), total
+
+
+@triton.jit
+def _qk_norm_rope_kernel(
+    qkv_ptr,
+    qw_ptr,
+    kw_ptr,
+    cos_ptr,
+    sin_ptr,
+    pos_ptr,
+    q_ptr,
+    k_ptr,
+    eps,
+    HQ: tl.constexpr,
+    HKV: tl.constexpr,
+    D: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    half = tl.arange(0, D // 2)
+    row = qkv_ptr + token * (HQ + 2 * HKV) * D + head * D
+    x1 = tl.load(row + half).to(tl.float32)
+    x2 = tl.load(row + D // 2 + half).to(tl.float32)
+    rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / D + eps)
+    is_q = head < HQ
+    dtype = q_ptr.dtype.element_ty
+    if is_q:
+        w1 = tl.load(qw_ptr + half).to(tl.float32)
+        w2 = tl.load(qw_ptr + D // 2 + half).to(tl.float32)
+    else:
+        w1 = tl.load(kw_ptr + half).to(tl.float32)
+        w2 = tl.load(kw_ptr + D // 2 + half).to(tl.float32)
+    n1 = (w1 * (x1 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    n2 = (w2 * (x2 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    pos = tl.load(pos_ptr + token)
+    c = tl.load(cos_ptr + pos * (D // 2) + half)
+    s = tl.load(sin_ptr + pos * (D // 2) + half)
+    o1 = (n1 * c - n2 * s).to(dtype)
+    o2 = (n2 * c + n1 * s).to(dtype)
+    if is_q:
+        base = q_ptr + token * HQ * D + head * D
+    else:
+        base = k_ptr + token * HKV * D + (head - HQ) * D
+    tl.store(base + half, o1)
+    tl.store(base + D // 2 + half, o2)
+
+
+def qk_norm_rope(qkv, q_weight, k_weight, cos, sin, positions, num_heads, num_kv_heads, eps):
+    """From fused qkv `[T, (Hq + 2 Hkv) * D]`: normalised, rotated q `[T, Hq, D]` and
+    k `[T, Hkv, D]`. cos/sin `[P, D/2]` fp32 tables."""
+    t = qkv.shape[0]
+    d = q_weight.shape[0]
+    q = torch.empty(t, num_heads, d, dtype=qkv.dtype, device=qkv.device)
+    k = torch.empty(t, num_kv_heads, d, dtype=qkv.dtype, device=qkv.device)
+    _qk_norm_rope_kernel[(t, num_heads + num_kv_heads)](
+        qkv,
+        q_weight,
+        k_weight,
+        cos,
+        sin,
+        positions,
+        q,
+        k,
+        eps,
+        HQ=num_heads,
+        HKV=num_kv_heads,
+        D=d,
+    )
+    return q, k
+
+
+@triton.jit
+def _silu_mul_kernel(x_ptr, out_ptr, INTER: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < INTER
+    gate = tl.load(x_ptr + row * 2 * INTER + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * 2 * INTER + INTER + cols, mask=mask, other=0.0).to(tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    tl.store(out_ptr + row * INTER + cols, (act * up).to(dtype), mask=mask)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for `gate_up = [gate | up]` `[T, 2I]` -> `[T, I]`."""
+    t, two_i = gate_up.shape
+    inter = two_i // 2
+    out = torch.empty(t, inter, dtype=gate_up.dtype, device=gate_up.device)
+    block = 1024
+    _silu_mul_kernel[(t, triton.cdiv(inter, block))](gate_up, out, INTER=inter, BLOCK=block)
+    return out
+
+
+def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up

@@ -1,0 +1,242 @@
+"""The HTTP API over a real socket: health, readiness, Prometheus metrics and the
+OpenAI-style `POST /v1/audio/speech` (whole and streamed bodies, formats, errors)."""
+
+from __future__ import annotations
+
+import io
+import struct
+
+import httpx
+import numpy as np
+import pytest
+import soundfile as sf
+
+from .conftest import (
+    FRAME_BYTES,
+    FRAME_SAMPLES,
+    collect,
+    frames_for,
+    open_ws,
+    run,
+    scrape,
+    speak,
+)
+
+PCM_1S = frames_for(1.0) * FRAME_BYTES  # 48,000 bytes: 25 frames of PCM16 at 24 kHz
+
+
+def _speech(server, **body):
+    body = {"input": "Hello from the HTTP API.", "max_duration_s": 1, "seed": 1, **body}
+    return httpx.post(server.http + "/v1/audio/speech", json=body, timeout=60)
+
+
+def _error(r, status: int, code: str) -> dict:
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"].startswith("application/json")
+    err = r.json()["error"]
+    assert err["code"] == code and isinstance(err["message"], str) and err["message"]
+    return err
+
+
+def test_health(server):
+    r = httpx.get(server.http + "/health", timeout=30)
+    assert r.status_code == 200 and r.json() == {"status": "ok"}
+
+
+def test_ready_reports_the_untrained_model(server):
+    r = httpx.get(server.http + "/ready", timeout=30)
+    assert r.status_code == 200
+    body = r.json()
+    assert body["status"] == "ready"
+    assert body["model"]["untrained"] is True
+    assert "random weights" in body["model"]["notice"]
+
+
+GAUGES = [
+    "clonecast_num_requests_running",
+    "clonecast_num_requests_waiting",
+    "clonecast_kv_cache_usage_perc",
+    "clonecast_kv_cache_free_blocks",
+    "clonecast_websocket_connections",
+    "clonecast_voice_encodes",
+    "clonecast_voice_cache_hits",
+]
+
+
+def test_metrics_exposition(server):
+    r = httpx.get(server.http + "/metrics", timeout=30)
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/plain")
+    text = r.text
+    assert 'clonecast_time_to_first_audio_seconds_bucket{le="0.32"}' in text
+    assert 'clonecast_engine_step_seconds_bucket{le="0.04"}' in text
+    for name in GAUGES:
+        assert f"# TYPE {name} gauge" in text
+    for name in ("clonecast_graph_capture_memory_bytes", "clonecast_graph_capture_seconds"):
+        assert f"# TYPE {name} gauge" in text
+    for name in (
+        "clonecast_e2e_request_latency_seconds",
+        "clonecast_real_time_factor",
+        "clonecast_time_to_first_audio_seconds",
+    ):
+        assert f"# TYPE {name} histogram" in text
+    for name in (
+        "clonecast_audio_seconds",
+        "clonecast_underruns",
+        "clonecast_request_success",
+        "clonecast_errors",
+    ):
+        assert f"# TYPE {name}_total counter" in text
+    m = scrape(server)
+    total = server.services.engine.stats.num_kv_blocks
+    assert m["clonecast_kv_cache_free_blocks"] == total
+    assert m["clonecast_kv_cache_usage_perc"] == 0
+    assert m["clonecast_num_requests_running"] == 0
+
+
+def test_metrics_count_a_websocket_utterance(server):
+    before = scrape(server)
+
+    async def main():
+        async with open_ws(server.ws) as ws:
+            mid = scrape(server)
+            await ws.send(speak("m", dur=1.0, seed=2))
+            u = (await collect(ws, ["m"]))["m"]
+            return mid, u
+
+    mid, u = run(main())
+    after = scrape(server)
+    assert mid["clonecast_websocket_connections"] == before["clonecast_websocket_connections"] + 1
+    first = "clonecast_time_to_first_audio_seconds_count"
+    assert after[first] == before[first] + 1
+    e2e = "clonecast_e2e_request_latency_seconds_count"
+    assert after[e2e] == before[e2e] + 1
+    assert after["clonecast_audio_seconds_total"] == pytest.approx(
+        before["clonecast_audio_seconds_total"] + u.done["stats"]["audio_s"], abs=1e-3
+    )
+    key = 'clonecast_request_success_total{finished_reason="length"}'
+    assert after[key] == before.get(key, 0) + 1
+    assert after["clonecast_engine_step_seconds_count"] > before["clonecast_engine_step_seconds_count"]
+
+
+def test_speech_wav_is_a_complete_file(server):
+    r = _speech(server)
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"] == "audio/wav"
+    body = r.content
+    assert len(body) == 44 + PCM_1S
+    riff, data_size = struct.unpack("<I", body[4:8])[0], struct.unpack("<I", body[40:44])[0]
+    assert body[:4] == b"RIFF" and body[8:16] == b"WAVEfmt " and body[36:40] == b"data"
+    assert (riff, data_size) == (36 + PCM_1S, PCM_1S)
+    x, rate = sf.read(io.BytesIO(body), dtype="int16")
+    assert rate == 24000 and len(x) == frames_for(1.0) * FRAME_SAMPLES
+
+
+def test_speech_is_the_same_audio_as_the_websocket(server):
+    r = _speech(server, response_format="pcm", seed=9, input="Same words.")
+
+    async def main():
+        async with open_ws(server.ws) as ws:
+            await ws.send(speak("same", "Same words.", dur=1.0, seed=9))
+            return (await collect(ws, ["same"]))["same"]
+
+    assert r.content == run(main()).payload
+
+
+def test_speech_streamed_pcm(server):
+    body = {
+        "input": "Streaming over HTTP.",
+        "response_format": "pcm",
+        "stream": True,
+        "max_duration_s": 3,
+        "seed": 3,
+    }
+    with httpx.stream("POST", server.http + "/v1/audio/speech", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"] == "audio/pcm"
+        assert r.headers.get("transfer-encoding") == "chunked"
+        assert "content-length" not in r.headers
+        parts = [p for p in r.iter_raw() if p]
+    data = b"".join(parts)
+    assert len(data) == frames_for(3.0) * FRAME_BYTES
+    assert len(parts) >= 2  # sent as generated, not in one piece
+
+
+def test_speech_streamed_wav_has_streaming_header(server):
+    with httpx.stream(
+        "POST",
+        server.http + "/v1/audio/speech",
+        json={"input": "Hi.", "stream": True, "max_duration_s": 1, "seed": 4},
+        timeout=60,
+    ) as r:
+        assert r.status_code == 200
+        data = r.read()
+    assert data[:4] == b"RIFF" and struct.unpack("<I", data[40:44])[0] == 0xFFFFFFFF
+    assert len(data) == 44 + PCM_1S
+
+
+@pytest.mark.parametrize(
+    "fmt, extra, media, size",
+    [
+        ("mulaw", {}, "audio/basic", frames_for(1.0) * 320),
+        ("mulaw", {"sample_rate": 16000}, "audio/basic", frames_for(1.0) * 640),
+        ("f32", {}, "audio/x-f32le", frames_for(1.0) * FRAME_SAMPLES * 4),
+        ("pcm16", {"sample_rate": 48000}, "audio/pcm", frames_for(1.0) * FRAME_BYTES * 2),
+    ],
+    ids=["mulaw-8k", "mulaw-16k", "f32", "pcm-48k"],
+)
+def test_speech_formats(server, fmt, extra, media, size):
+    r = _speech(server, response_format=fmt, **extra)
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"] == media
+    assert abs(len(r.content) - size) <= 2 * (size // (frames_for(1.0) * FRAME_SAMPLES) or 1)
+    if fmt == "f32":
+        x = np.frombuffer(r.content, "<f4")
+        assert np.all(np.isfinite(x)) and np.max(np.abs(x)) <= 1.0
+
+
+def test_speech_bad_json(server):
+    for content in (b"{not json", b"[1, 2]", b"\xff\xfe"):
+        r = httpx.post(
+            server.http + "/v1/audio/speech",
+            content=content,
+            headers={"content-type": "application/json"},
+            timeout=30,
+        )
+        _error(r, 400, "bad_json")
+
+
+@pytest.mark.parametrize("body", [{"input": ""}, {"input": "   "}, {}, {"input": 5}])
+def test_speech_empty_input(server, body):
+    r = httpx.post(server.http + "/v1/audio/speech", json=body, timeout=30)
+    _error(r, 400, "empty_text")
+
+
+def test_speech_text_too_long(server):
+    _error(_speech(server, input="a" * 5001), 400, "text_too_long")
+
+
+def test_speech_unknown_voice(server):
+    _error(_speech(server, voice="v_0123456789abcdef0123"), 404, "unknown_voice")
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"speed": 2.0},
+        {"speed": 0.5},
+        {"response_format": "mp3"},
+        {"sample_rate": 11025},
+        {"temperature": -1},
+        {"top_p": 0},
+        {"top_k": -2},
+    ],
+    ids=["speed-2", "speed-0.5", "mp3", "rate", "temperature", "top_p", "top_k"],
+)
+def test_speech_bad_parameter(server, body):
+    _error(_speech(server, **body), 400, "bad_parameter")
+
+
+def test_speech_default_voice_name_and_speed_one(server):
+    r = _speech(server, voice="default", speed=1.0, response_format="pcm")
+    assert r.status_code == 200 and len(r.content) == PCM_1S
