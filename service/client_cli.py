@@ -69,22 +69,24 @@ def _import_sounddevice() -> Any:
 
 def _stream(utt: SyncUtterance, sink: _WavSink | _SpeakerSink, t0: float) -> None:
     chunks, audio_s, first_audio = 0, 0.0, None
-    for chunk in utt:
-        if first_audio is None:
-            first_audio = time.perf_counter() - t0
-        sink.write(chunk.data)
-        chunks += 1
-        audio_s += len(chunk.data) / 2 / SAMPLE_RATE
-        print(
-            f"\r{chunks} chunks, {audio_s:6.2f} s of audio in {time.perf_counter() - t0:6.2f} s",
-            end="",
-            file=sys.stderr,
-            flush=True,
-        )
+    try:
+        for chunk in utt:
+            if first_audio is None:
+                first_audio = time.perf_counter() - t0
+            sink.write(chunk.data)
+            chunks += 1
+            audio_s += len(chunk.data) / 2 / SAMPLE_RATE
+            elapsed = time.perf_counter() - t0
+            progress = f"\r{chunks} chunks, {audio_s:6.2f} s of audio in {elapsed:6.2f} s"
+            print(progress, end="", file=sys.stderr, flush=True)
+    finally:
+        if chunks:
+            print(file=sys.stderr)  # ends the progress line
     first = f"{first_audio * 1e3:.0f} ms" if first_audio is not None else "-"
     reason = (utt.done or {}).get("reason", "cancelled")
     print(
-        f"\nfirst audio {first}, {audio_s:.2f} s of audio (done: {reason}) -> {sink.where}",
+        f"first audio {first}, {audio_s:.2f} s of audio in {time.perf_counter() - t0:.2f} s "
+        f"(done: {reason}) -> {sink.where}",
         file=sys.stderr,
     )
 
@@ -127,12 +129,12 @@ def say(args: argparse.Namespace) -> int:
                 _stream(utt, sink, t0)
             except KeyboardInterrupt:
                 utt.cancel()
-                print("\ncancelled", file=sys.stderr)
+                print("cancelled", file=sys.stderr)
                 return 130
             finally:
                 sink.close()
     except ClonecastError as exc:
-        print(f"\nerror: {exc.code}: {exc.message}", file=sys.stderr)
+        print(f"error: {exc.code}: {exc.message}", file=sys.stderr)
         return 1
     return 0
 

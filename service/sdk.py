@@ -92,6 +92,7 @@ class Utterance:
         self._streaming = streaming
         self._sent = not streaming  # whether the server knows this utterance
         self._stopped = False  # iteration is over
+        self._cancel_sent = False
         self._over = asyncio.Event()  # the server ended it, or the connection did
         self._queue: asyncio.Queue[Chunk | dict | ClonecastError | None] = asyncio.Queue()
         self._flush_ack: asyncio.Future | None = None
@@ -146,6 +147,7 @@ class Utterance:
             self._client._forget(self)
             self._end({"type": "cancelled", "id": self.id})
         elif not self._over.is_set():
+            self._cancel_sent = True
             await self._client._send({"type": "cancel", "id": self.id})
             await self._over.wait()
 
@@ -169,10 +171,10 @@ class Utterance:
             self._queue.put_nowait(chunk)
 
     def _end(self, event: dict | ClonecastError) -> None:
-        if isinstance(event, dict) and event.get("type") == "done":
-            self.done = event  # also after an error: the server may still report the stats
         if self._over.is_set():
             return
+        if isinstance(event, dict) and event.get("type") == "done":
+            self.done = event
         if isinstance(event, ClonecastError):
             self.error = event
         self._over.set()
@@ -228,37 +230,37 @@ class AsyncClient:
 
     @classmethod
     async def from_connection(cls, ws: Any, open_timeout: float = 10.0) -> AsyncClient:
-        """Start on an open connection (`recv`, `send`, `close`, async iteration,
-        `close_code`, `close_reason`, like websockets'); `connect()` and tests use it."""
+        """Start on an open websockets-like connection (as `connect()` and the tests do)."""
         try:
             message = json.loads(await asyncio.wait_for(ws.recv(), open_timeout))
         except ConnectionClosed as exc:
             raise _closed_by_server(ws.close_code, ws.close_reason, None) from exc
-        except (TimeoutError, ValueError) as exc:
-            message = {"message": f"no `ready` from the server: {exc or 'timed out'}"}
-        if not isinstance(message, dict):
-            message = {"message": f"expected `ready`, got {message!r:.200}"}
-        if message.get("type") == "ready":
+        except (TimeoutError, ValueError):
+            message = None
+        if isinstance(message, dict) and message.get("type") == "ready":
             return cls(ws, message)
         await ws.close()
-        if message.get("type") == "error":  # e.g. unauthorized, then close code 4401
+        if isinstance(message, dict) and message.get("type") == "error":  # e.g. unauthorized
             raise ClonecastError(str(message.get("code")), str(message.get("message")))
         raise ClonecastError(
-            "connection_failed", message.get("message") or f"expected `ready`, got {message!r:.200}"
+            "connection_failed", f"no `ready` within {open_timeout} s, got {message!r:.200}"
         )
 
     async def create_voice(
         self, audio: bytes, transcript: str | None = None, *, binary: bool = True
     ) -> str:
         """Register a reference recording (WAV, FLAC, OGG, Opus, MP3); returns its voice_id."""
+        limit = self.limits.get("max_upload_bytes")  # sent by the server, not in the doc
+        if limit and len(audio) > limit:
+            raise ClonecastError(
+                "message_too_large", f"the reference is {len(audio)} bytes; the limit is {limit}"
+            )
         request_id = f"r{next(self._request_ids)}"
         if binary:
-            message: dict = {"type": "voice.upload", "bytes": len(audio)}
+            message = {"type": "voice.upload", "bytes": len(audio)}
         else:
             message = {"type": "voice.create", "audio_b64": base64.b64encode(audio).decode()}
-        if transcript is not None:
-            message["transcript"] = transcript
-        message["request_id"] = request_id
+        message.update(_compact(transcript=transcript, request_id=request_id))
         created = asyncio.get_running_loop().create_future()
         self._voices[request_id] = created
         try:
@@ -364,10 +366,8 @@ class AsyncClient:
             )
         return text
 
-    async def _send(self, message: dict, payload: bytes | None = None) -> None:
-        await self._send_frames(self._encode(message), payload)
-
-    async def _send_frames(self, text: str, payload: bytes | None = None) -> None:
+    async def _send(self, message: dict | str, payload: bytes | None = None) -> None:
+        text = message if isinstance(message, str) else self._encode(message)
         try:
             async with self._send_lock:
                 await self._ws.send(text)
@@ -378,7 +378,7 @@ class AsyncClient:
 
     async def _send_speak(self, utt: Utterance, text: str) -> None:
         try:
-            await self._send_frames(text)
+            await self._send(text)
         except ClonecastError as exc:
             utt._end(exc)
 
@@ -405,9 +405,8 @@ class AsyncClient:
             created = self._voices.get(message.get("request_id"))
             if created is not None and not created.done():
                 created.set_result(message)
-        elif kind == "pong":
-            if self._pings:
-                self._pings.popleft().set_result(message)
+        elif kind == "pong" and self._pings:
+            self._pings.popleft().set_result(message)
         elif (utt := self._utterances.get(message.get("id"))) is None:
             return  # a late message for an utterance this client has finished with
         elif kind == "audio":
@@ -416,9 +415,8 @@ class AsyncClient:
             utt.sample_rate = message.get("sample_rate", utt.sample_rate)
         elif kind == "started":
             utt.started = message
-        elif kind == "flushed":
-            if utt._flush_ack is not None and not utt._flush_ack.done():
-                utt._flush_ack.set_result(None)
+        elif kind == "flushed" and utt._flush_ack is not None and not utt._flush_ack.done():
+            utt._flush_ack.set_result(None)
         elif kind in ("done", "cancelled"):
             del self._utterances[utt.id]
             utt._end(message)
@@ -435,10 +433,12 @@ class AsyncClient:
         error = ClonecastError(str(message.get("code", "internal")), str(message.get("message")))
         utt = self._utterances.get(message.get("id"))
         created = self._voices.get(message.get("request_id"))
-        if utt is not None:
-            if utt.started is None:  # rejected before it started: nothing more will come
-                del self._utterances[utt.id]
-            utt._end(error)
+        if utt is not None:  # the server has ended (or never began) it: nothing more comes
+            del self._utterances[utt.id]
+            if utt._cancel_sent and error.code == "unknown_id":  # it finished as we cancelled
+                utt._end({"type": "cancelled", "id": utt.id})
+            else:
+                utt._end(error)
         elif created is not None:
             if not created.done():
                 created.set_exception(error)
@@ -479,18 +479,15 @@ def _voice_fields(
         raise ValueError("give voice_id or voice_audio, not both")
     if transcript is not None and voice_audio is None:
         raise ValueError("transcript describes voice_audio; give both (or use create_voice)")
-    fields: dict = {}
-    if voice_id is not None:
-        fields["voice_id"] = voice_id
+    voice = None
     if voice_audio is not None:
-        fields["voice"] = {"audio_b64": base64.b64encode(voice_audio).decode()}
-        if transcript is not None:
-            fields["voice"]["transcript"] = transcript
-    if params:
-        fields["params"] = dict(params)
-    if output:
-        fields["output"] = dict(output)
-    return fields
+        voice = _compact(audio_b64=base64.b64encode(voice_audio).decode(), transcript=transcript)
+    return _compact(voice_id=voice_id, voice=voice, params=params, output=output)
+
+
+def _compact(**fields: Any) -> dict:
+    """Drops unset fields rather than sending nulls."""
+    return {k: v for k, v in fields.items() if v is not None}
 
 
 def __getattr__(name: str) -> Any:

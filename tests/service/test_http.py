@@ -20,6 +20,7 @@ from .conftest import (
     run,
     scrape,
     speak,
+    wait_engine_idle,
 )
 
 PCM_1S = frames_for(1.0) * FRAME_BYTES  # 48,000 bytes: 25 frames of PCM16 at 24 kHz
@@ -116,7 +117,9 @@ def test_metrics_count_a_websocket_utterance(server):
     )
     key = 'clonecast_request_success_total{finished_reason="length"}'
     assert after[key] == before.get(key, 0) + 1
-    assert after["clonecast_engine_step_seconds_count"] > before["clonecast_engine_step_seconds_count"]
+    assert (
+        after["clonecast_engine_step_seconds_count"] > before["clonecast_engine_step_seconds_count"]
+    )
 
 
 def test_speech_wav_is_a_complete_file(server):
@@ -240,3 +243,18 @@ def test_speech_bad_parameter(server, body):
 def test_speech_default_voice_name_and_speed_one(server):
     r = _speech(server, voice="default", speed=1.0, response_format="pcm")
     assert r.status_code == 200 and len(r.content) == PCM_1S
+
+
+def test_streamed_speech_client_that_goes_away_frees_the_engine(server):
+    body = {"input": "A long stream.", "response_format": "pcm", "stream": True}
+    with httpx.stream(
+        "POST",
+        server.http + "/v1/audio/speech",
+        json={**body, "max_duration_s": 30, "seed": 5},
+        timeout=60,
+    ) as r:
+        assert r.status_code == 200
+        chunks = r.iter_raw()  # kept referenced: dropping it would close the stream
+        assert next(chunks)
+        assert scrape(server)["clonecast_num_requests_running"] == 1
+    wait_engine_idle(server, timeout=10)

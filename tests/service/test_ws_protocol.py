@@ -21,6 +21,7 @@ from .conftest import (
     FRAME_BYTES,
     FRAME_SAMPLES,
     assert_alive,
+    b64,
     check_complete,
     collect,
     expect_error,
@@ -28,6 +29,7 @@ from .conftest import (
     open_ws,
     recv_json,
     recv_until,
+    reference_audio,
     run,
     scrape,
     speak,
@@ -317,3 +319,48 @@ def test_vanished_client_frees_its_engine_requests(server):
         assert time.monotonic() < deadline, "the vanished connection is still counted"
         time.sleep(0.1)
         m = scrape(server)
+
+
+def test_long_text_is_split_into_segments_spoken_in_order(server):
+    first = "This first sentence is long enough " + "and keeps going " * 10 + "to its end."
+    second = "The second sentence is just as long " + "and goes on " * 12 + "until it stops."
+    text = f"{first} {second}"
+    assert len(text) > 300 and len(first) < 300 and len(second) < 300
+
+    async def main():
+        async with open_ws(server.ws) as ws:
+            await ws.send(speak("seg", text, dur=1.0, seed=13))
+            return (await collect(ws, ["seg"]))["seg"]
+
+    u = run(main())
+    check_complete(u)
+    assert u.started["segments"] == 2
+    assert u.done["stats"]["segments"] == 2
+    assert u.done["reason"] == "length"
+    assert len(u.payload) == 2 * frames_for(1.0) * FRAME_BYTES
+    # both segments start with their own 320 ms chunk, in one continuous numbering
+    assert [len(f.payload) for f in u.frames if f.payload][:4] == [15360, 32640, 15360, 32640]
+
+
+def test_cancel_is_not_held_up_by_a_voice_encode(server):
+    """Barge-in must stop an utterance now: a `cancel` sent right after a `voice.create` is
+    acknowledged without waiting for the (seconds long) reference encode to finish."""
+    reference = reference_audio(25.0, "WAV", f0=97.0)  # unique: not in any cache
+
+    async def main():
+        async with open_ws(server.ws) as ws:
+            await ws.send(speak("bg", "Background talk.", dur=10.0, seed=13))
+            await recv_until(ws, "audio", id="bg")
+            create = {"type": "voice.create", "audio_b64": b64(reference), "request_id": "big"}
+            await ws.send(json.dumps(create))
+            await ws.send(json.dumps({"type": "cancel", "id": "bg"}))
+            order = []
+            while len(order) < 2:
+                message = await asyncio.wait_for(ws.recv(), 60)
+                if isinstance(message, str):
+                    kind = json.loads(message)["type"]
+                    if kind in ("cancelled", "voice.created", "error"):
+                        order.append(kind)
+            return order
+
+    assert run(main()) == ["cancelled", "voice.created"]
