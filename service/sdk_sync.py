@@ -82,6 +82,10 @@ class SyncUtterance:
     def started(self) -> dict | None:
         return self._utt.started
 
+    @property
+    def error(self) -> ClonecastError | None:
+        return self._utt.error
+
     def __iter__(self) -> Iterator[Chunk]:
         while (chunk := self._loop.run(_next_chunk(self._utt))) is not None:
             yield chunk
