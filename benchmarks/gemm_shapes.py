@@ -67,9 +67,8 @@ def main() -> None:
     )
     print("\n{:<11}{:>5}{:>11}{:>11}  {:<22}{:>12}{:>12}".format(*head))
     for name, m, cub, tri, cfg, bw1, bw2 in rows:
-        print(
-            f"{name:<11}{m:>5}{cub * 1e3:>11.1f}{tri * 1e3:>11.1f}  {cfg:<22}{bw1:>12.2f}{bw2:>12.2f}"
-        )
+        line = (name, m, cub * 1e3, tri * 1e3, cfg, bw1, bw2)
+        print("{:<11}{:>5}{:>11.1f}{:>11.1f}  {:<22}{:>12.2f}{:>12.2f}".format(*line))
 
 
 if __name__ == "__main__":
