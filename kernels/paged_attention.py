@@ -115,8 +115,12 @@ def paged_attention(
     scale: float,
     max_query_len: int,
     out: torch.Tensor | None = None,
+    block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 2,
 ) -> torch.Tensor:
-    """Attention of every query row over its sequence's paged K/V; returns `[T, Hq, D]`."""
+    """Attention of every query row over its sequence's paged K/V; returns `[T, Hq, D]`.
+    block_n / num_warps / num_stages are tuning knobs (benchmarks/attention_shapes.py)."""
     num_seqs = seq_lens.shape[0]
     _, hq, d = q.shape
     page, hkv = k_cache.shape[1], k_cache.shape[2]
