@@ -15,6 +15,7 @@ import wave
 from pathlib import Path
 
 from engine import UNTRAINED_NOTICE, ConfigError, Engine, EngineConfig, SamplingParams
+from service.client_cli import add_say_parser
 from service.config import ServiceSettings
 
 
@@ -188,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--transcript", help="what the reference recording says")
     s.add_argument("--out", default="out/speech.wav")
     s.set_defaults(func=synthesize)
+    add_say_parser(sub)
     g = sub.add_parser("generate", help="generate audio-code rows for a text")
     _add_common(g, max_rows=200)
     g.add_argument("--out", default="out/codes.json")

@@ -125,11 +125,13 @@ class Session:
                 f"text frames are limited to {self.limits.max_message_bytes} bytes",
             )
             return
+        message: dict = {}
         try:
             message = parse_message(text)
             await getattr(self, "_on_" + message["type"].replace(".", "_"))(message)
         except ProtocolError as exc:
-            self.send_error(exc.code, str(exc), exc.uid)
+            extra = {"request_id": message["request_id"]} if "request_id" in message else {}
+            self.send_error(exc.code, str(exc), exc.uid, **extra)
 
     async def on_bytes(self, data: bytes) -> None:
         upload, self.pending_upload = self.pending_upload, None
