@@ -60,6 +60,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,32,64")
     ap.add_argument("--context", type=int, default=400)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--variants", default="torch eager,triton eager,triton graphs")
     ap.add_argument("--profile", help="write a torch.profiler table of the graph path here")
     args = ap.parse_args()
     variants = {
@@ -69,6 +70,8 @@ def main() -> None:
     }
     rows = []
     for name, extra in variants.items():
+        if name not in args.variants.split(","):
+            continue
         cfg = EngineConfig(
             device="cuda",
             dtype="bfloat16",

@@ -123,9 +123,22 @@ class TritonAttention:
     name = "triton"
 
     def forward(self, q, k, v, kv_cache, meta, scale):
-        from kernels.paged_attention import paged_attention
+        from kernels.paged_attention import decode_splits, paged_attention, paged_decode_attention
 
         store_kv(k, v, kv_cache, meta.slot_mapping[: meta.num_tokens])
+        if meta.max_query_len == 1:  # decode only: split the context when sequences are few
+            splits = decode_splits(meta.num_seqs, kv_cache.shape[3])
+            if splits > 1:
+                return paged_decode_attention(
+                    q,
+                    kv_cache[0],
+                    kv_cache[1],
+                    meta.query_start_loc,
+                    meta.seq_lens,
+                    meta.block_tables,
+                    scale,
+                    splits,
+                )
         return paged_attention(
             q,
             kv_cache[0],

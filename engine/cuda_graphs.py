@@ -36,6 +36,7 @@ def capture_query_bound(num_tokens: int, decode_only: bool, explicit: int | None
 class CapturedGraph:
     graph: torch.cuda.CUDAGraph
     num_tokens: int
+    num_seqs: int  # launch size of the attention (sequences beyond the real ones are empty)
     max_query_len: int
     hidden: torch.Tensor  # static output [num_tokens, H]
 
@@ -111,8 +112,8 @@ class CudaGraphs:
 
     def _capture_one(self, bucket: int, bound: int, q_lens: list[int]) -> CapturedGraph:
         runner = self.runner
-        runner.load_dummy_batch(q_lens, padded_tokens=bucket)
-        num_seqs = runner.config.max_num_seqs
+        num_seqs = min(bucket, runner.config.max_num_seqs)  # a step has at most one per token
+        runner.load_dummy_batch(q_lens, padded_tokens=bucket, padded_seqs=num_seqs)
         max_len = runner.config.max_model_len
         for _ in range(2):  # compile kernels and settle the allocator outside the capture
             runner.forward(bucket, num_seqs, bound, max_len)
@@ -120,4 +121,4 @@ class CudaGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             hidden = runner.forward(bucket, num_seqs, bound, max_len)
-        return CapturedGraph(graph, bucket, bound, hidden)
+        return CapturedGraph(graph, bucket, num_seqs, bound, hidden)

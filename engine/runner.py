@@ -134,7 +134,7 @@ class ModelRunner:
         if self.graphs is not None:
             graph = self.graphs.lookup(num_tokens, decode_only=max_query_len == 1)
         if graph is not None:
-            self._pad(num_tokens, graph.num_tokens, num_seqs, self.config.max_num_seqs)
+            self._pad(num_tokens, graph.num_tokens, num_seqs, graph.num_seqs)
         self._copy_inputs()
         if graph is not None:
             hidden = graph.replay()[:num_tokens]
@@ -181,7 +181,7 @@ class ModelRunner:
         with attention_context(meta):
             return self.model(embeds, lay.view(buf, "positions")[:num_tokens], self.kv_caches)
 
-    def load_dummy_batch(self, q_lens: list[int], padded_tokens: int) -> None:
+    def load_dummy_batch(self, q_lens: list[int], padded_tokens: int, padded_seqs: int) -> None:
         """Inputs for graph capture: sequences of `q_lens` new tokens with no context, every
         K/V write going to the reserved block 0."""
         lay, h = self.layout, self.host_np
@@ -198,7 +198,7 @@ class ModelRunner:
         lay.view(h, "audio_rows")[: t * NUM_CODEBOOKS] = -1
         lay.view(h, "feedback_slot")[:t] = -1
         lay.view(h, "block_tables")[:] = NULL_BLOCK
-        self._pad(t, padded_tokens, len(q_lens), self.config.max_num_seqs)
+        self._pad(t, padded_tokens, len(q_lens), padded_seqs)
         self._copy_inputs()
 
     def _copy_inputs(self) -> None:

@@ -80,35 +80,43 @@ def _qk_norm_rope_kernel(
     HQ: tl.constexpr,
     HKV: tl.constexpr,
     D: tl.constexpr,
+    HEADS: tl.constexpr,
 ):
+    # One program per token: every q and k head as the rows of one [HEADS, D/2] tile pair.
     token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
+    head = tl.arange(0, HEADS)
     half = tl.arange(0, D // 2)
-    row = qkv_ptr + token * (HQ + 2 * HKV) * D + head * D
-    x1 = tl.load(row + half).to(tl.float32)
-    x2 = tl.load(row + D // 2 + half).to(tl.float32)
-    rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / D + eps)
     is_q = head < HQ
+    is_k = (head >= HQ) & (head < HQ + HKV)
+    ok = (is_q | is_k)[:, None]
+    row = qkv_ptr + token * (HQ + 2 * HKV) * D + head[:, None] * D
+    x1 = tl.load(row + half[None, :], mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(row + D // 2 + half[None, :], mask=ok, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / D + eps)
     dtype = q_ptr.dtype.element_ty
-    if is_q:
-        w1 = tl.load(qw_ptr + half).to(tl.float32)
-        w2 = tl.load(qw_ptr + D // 2 + half).to(tl.float32)
-    else:
-        w1 = tl.load(kw_ptr + half).to(tl.float32)
-        w2 = tl.load(kw_ptr + D // 2 + half).to(tl.float32)
-    n1 = (w1 * (x1 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-    n2 = (w2 * (x2 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    w1 = tl.where(is_q[:, None], tl.load(qw_ptr + half)[None, :], tl.load(kw_ptr + half)[None, :])
+    w2 = tl.where(
+        is_q[:, None],
+        tl.load(qw_ptr + D // 2 + half)[None, :],
+        tl.load(kw_ptr + D // 2 + half)[None, :],
+    )
+    n1 = (
+        (w1.to(tl.float32) * (x1 * rstd[:, None]).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    )
+    n2 = (
+        (w2.to(tl.float32) * (x2 * rstd[:, None]).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    )
     pos = tl.load(pos_ptr + token)
-    c = tl.load(cos_ptr + pos * (D // 2) + half)
-    s = tl.load(sin_ptr + pos * (D // 2) + half)
+    c = tl.load(cos_ptr + pos * (D // 2) + half)[None, :]
+    s = tl.load(sin_ptr + pos * (D // 2) + half)[None, :]
     o1 = (n1 * c - n2 * s).to(dtype)
     o2 = (n2 * c + n1 * s).to(dtype)
-    if is_q:
-        base = q_ptr + token * HQ * D + head * D
-    else:
-        base = k_ptr + token * HKV * D + (head - HQ) * D
-    tl.store(base + half, o1)
-    tl.store(base + D // 2 + half, o2)
+    q_row = q_ptr + token * HQ * D + head[:, None] * D
+    tl.store(q_row + half[None, :], o1, mask=is_q[:, None])
+    tl.store(q_row + D // 2 + half[None, :], o2, mask=is_q[:, None])
+    k_row = k_ptr + token * HKV * D + (head[:, None] - HQ) * D
+    tl.store(k_row + half[None, :], o1, mask=is_k[:, None])
+    tl.store(k_row + D // 2 + half[None, :], o2, mask=is_k[:, None])
 
 
 def qk_norm_rope(qkv, q_weight, k_weight, cos, sin, positions, num_heads, num_kv_heads, eps):
@@ -118,7 +126,7 @@ def qk_norm_rope(qkv, q_weight, k_weight, cos, sin, positions, num_heads, num_kv
     d = q_weight.shape[0]
     q = torch.empty(t, num_heads, d, dtype=qkv.dtype, device=qkv.device)
     k = torch.empty(t, num_kv_heads, d, dtype=qkv.dtype, device=qkv.device)
-    _qk_norm_rope_kernel[(t, num_heads + num_kv_heads)](
+    _qk_norm_rope_kernel[(t,)](
         qkv,
         q_weight,
         k_weight,
@@ -131,6 +139,7 @@ def qk_norm_rope(qkv, q_weight, k_weight, cos, sin, positions, num_heads, num_kv
         HQ=num_heads,
         HKV=num_kv_heads,
         D=d,
+        HEADS=triton.next_power_of_2(num_heads + num_kv_heads),
     )
     return q, k
 

@@ -91,11 +91,11 @@ def test_capture_bound_red_green_with_our_kernel(tmp_path, bound, should_match):
     q_lens, ctx = [212] + [1] * 44, [0] + [300] * 44
     with torch.inference_mode():
         t = _load_batch(runner, q_lens, ctx)
-        runner._pad(t, 256, len(q_lens), 64)
+        runner._pad(t, 256, len(q_lens), graph.num_seqs)
         runner._copy_inputs()
         replayed = graph.replay()[:t].float().clone()
         runner._copy_inputs()  # the same K/V writes again, then the eager twin
-        eager = runner.forward(256, 64, max(q_lens), 2048)[:t].float()
+        eager = runner.forward(256, graph.num_seqs, max(q_lens), 2048)[:t].float()
     diff = (replayed - eager).abs().max().item()
     print(f"capture bound {graph.max_query_len}: max |graph - eager| = {diff:.3g}")
     if should_match:
@@ -129,7 +129,7 @@ def test_every_replay_equals_its_eager_twin_and_rows_match_eager_engine(tiny_ckp
                 runner._copy_inputs()  # rewrite the same K/V, then run the eager twin
                 twin = runner.forward(
                     graph.num_tokens,
-                    runner.config.max_num_seqs,
+                    graph.num_seqs,
                     graph.max_query_len,
                     runner.config.max_model_len,
                 )
@@ -137,7 +137,9 @@ def test_every_replay_equals_its_eager_twin_and_rows_match_eager_engine(tiny_ckp
                 checked["decode" if graph.max_query_len == 1 else "mixed"] += 1
                 return out
 
-            graph = type(graph)(graph.graph, graph.num_tokens, graph.max_query_len, graph.hidden)
+            graph = type(graph)(
+                graph.graph, graph.num_tokens, graph.num_seqs, graph.max_query_len, graph.hidden
+            )
             graph.replay = checked_replay
         return graph
 

@@ -85,3 +85,39 @@ def test_kernel_matches_reference_higgs_shape_bf16(q_lens, ctx_lens):
     ref = paged_attention_reference(q, k, v, *meta, 128**-0.5)
     assert torch.isfinite(out).all()
     assert rel_err(out, ref) <= 1e-2
+
+
+@pytest.mark.parametrize("splits", [2, 4, 8])
+@pytest.mark.parametrize("ctx_lens", [[5, 0, 17], [40, 1, 130, 0]])
+def test_split_kv_decode_matches_reference(splits, ctx_lens):
+    from kernels.paged_attention import paged_decode_attention
+
+    device = "cuda" if GPU else "cpu"
+    q_lens = [1 if c or i % 2 == 0 else 0 for i, c in enumerate(ctx_lens)]
+    q, k, v, meta = make_batch(q_lens, ctx_lens, 8, 2, 32, 16, torch.float32, device, seed=splits)
+    out = torch.full_like(q, float("nan"))
+    paged_decode_attention(q, k, v, *meta, 32**-0.5, splits, out=out)
+    ref = paged_attention_reference(q, k, v, *meta, 32**-0.5)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) <= (3e-3 if GPU else 1e-5)
+
+
+def test_decode_splits_fill_the_gpu_for_few_sequences():
+    from kernels.paged_attention import decode_splits
+
+    assert decode_splits(64, 8) == 1 and decode_splits(32, 8) == 1
+    assert decode_splits(1, 8) == 32 and decode_splits(4, 8) == 8
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(
+    "q_lens_ctx", [([1], [2000]), ([1] * 4, [400, 3, 1000, 64]), ([1] * 16, [399] * 16)]
+)
+def test_split_kv_higgs_shape_bf16(q_lens_ctx):
+    from kernels.paged_attention import decode_splits, paged_decode_attention
+
+    q_lens, ctx = q_lens_ctx
+    q, k, v, meta = make_batch(q_lens, ctx, 32, 8, 128, 16, torch.bfloat16, "cuda")
+    out = paged_decode_attention(q, k, v, *meta, 128**-0.5, decode_splits(len(q_lens), 8))
+    ref = paged_attention_reference(q, k, v, *meta, 128**-0.5)
+    assert rel_err(out, ref) <= 1e-2
