@@ -12,6 +12,7 @@ of a sequence lives at slot `block_table[p // block_size] * block_size + p % blo
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
@@ -38,22 +39,25 @@ class AttentionMetadata:
     max_seq_len: int
 
 
-_current: list[AttentionMetadata] = []
+# Per thread: several engines (each stepping on its own thread) may share a process.
+_local = threading.local()
 
 
 @contextlib.contextmanager
 def attention_context(meta: AttentionMetadata) -> Iterator[None]:
-    _current.append(meta)
+    stack = _local.__dict__.setdefault("stack", [])
+    stack.append(meta)
     try:
         yield
     finally:
-        _current.pop()
+        stack.pop()
 
 
 def current_metadata() -> AttentionMetadata:
-    if not _current:
+    stack = _local.__dict__.get("stack")
+    if not stack:
         raise RuntimeError("attention called outside attention_context(...)")
-    return _current[-1]
+    return stack[-1]
 
 
 class AttentionBackend(Protocol):

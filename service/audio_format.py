@@ -99,6 +99,7 @@ class StreamEncoder:
             StreamingResampler(fmt.sample_rate) if fmt.sample_rate != ENGINE_RATE else None
         )
         self._header_sent = False
+        self.header_bytes = 0  # bytes of WAV header inside the last returned chunk
 
     def encode(self, pcm16: bytes) -> bytes:
         if self._resampler is None and self.fmt.format in ("pcm16", "wav"):
@@ -121,10 +122,13 @@ class StreamEncoder:
         return pcm.tobytes()
 
     def _with_header(self, payload: bytes) -> bytes:
+        self.header_bytes = 0
         if self.fmt.format != "wav" or self._header_sent:
             return payload
         self._header_sent = True
-        return wav_header(self.fmt.sample_rate, None) + payload
+        header = wav_header(self.fmt.sample_rate, None)
+        self.header_bytes = len(header)
+        return header + payload
 
 
 def mulaw_encode(pcm: np.ndarray) -> np.ndarray:

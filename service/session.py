@@ -39,12 +39,13 @@ class Session:
         self.outbox: asyncio.Queue = asyncio.Queue()
         self.loop = asyncio.get_running_loop()
         self.pending_upload: dict | None = None
+        self.tasks: set[asyncio.Task] = set()  # voice encodes running for this connection
         self.closed = False
 
     # -- outgoing ----------------------------------------------------------------------------
 
     def send_json(self, message: dict) -> None:
-        self.outbox.put_nowait(("json", None, message, b""))
+        self.outbox.put_nowait(("json", None, message, b"", 0))
 
     def send_error(self, code: str, message: str, uid: str | None = None, **extra) -> None:
         self.services.metrics.errors.labels(code).inc()
@@ -65,11 +66,13 @@ class Session:
             "sample_rate": utt.format.sample_rate,
             "last": last,
         }
+        audio_bytes = len(data) - utt.encoder.header_bytes  # a WAV header is not audio
         frame = pack_audio(utt.id, utt.seq, last, data)
         utt.seq += 1
+        already_waiting = utt.buffered_bytes  # one chunk alone never counts as slow reading
         utt.buffered_bytes += len(frame)
-        self.outbox.put_nowait(("audio", utt, header, frame))
-        if utt.buffered_bytes > self.limits.max_buffered_audio_bytes:
+        self.outbox.put_nowait(("audio", utt, header, frame, audio_bytes))
+        if already_waiting > self.limits.max_buffered_audio_bytes:
             self._end(utt, State.FAILED)
             self.send_error(
                 "slow_consumer",
@@ -82,7 +85,7 @@ class Session:
         """The only writer of the socket: JSON, then each audio frame after its header."""
         metrics = self.services.metrics
         while True:
-            kind, utt, message, frame = await self.outbox.get()
+            kind, utt, message, frame, audio_bytes = await self.outbox.get()
             if kind == "json":
                 await self.ws.send_text(json.dumps(message))
                 continue
@@ -92,14 +95,14 @@ class Session:
             await self.ws.send_text(json.dumps(message))
             await self.ws.send_bytes(frame)
             now, stats = time.monotonic(), utt.stats
-            if message["bytes"]:
+            if audio_bytes:
                 if stats.first_audio is None:
                     stats.first_audio = now
                     metrics.first_audio.observe(now - stats.started)
                 elif now > stats.first_audio + stats.audio_s:
                     stats.underruns += 1
                     metrics.underruns.inc()
-                seconds = message["bytes"] / utt.format.bytes_per_sample / utt.format.sample_rate
+                seconds = audio_bytes / utt.format.bytes_per_sample / utt.format.sample_rate
                 stats.audio_s += seconds
                 stats.chunks += 1
                 stats.bytes += message["bytes"]
@@ -147,14 +150,14 @@ class Session:
                 request_id=upload.get("request_id"),
             )
             return
-        await self._create_voice(data, upload.get("transcript"), upload.get("request_id"))
+        self._spawn(self._create_voice(data, upload.get("transcript"), upload.get("request_id")))
 
     async def _on_ping(self, message: dict) -> None:
         self.send_json({"type": "pong", "t": time.time()})
 
     async def _on_voice_create(self, message: dict) -> None:
         data = _b64(message.get("audio_b64"), "audio_b64", self.limits.max_upload_bytes)
-        await self._create_voice(data, message.get("transcript"), message.get("request_id"))
+        self._spawn(self._create_voice(data, message.get("transcript"), message.get("request_id")))
 
     async def _on_voice_upload(self, message: dict) -> None:
         size = message.get("bytes")
@@ -291,22 +294,36 @@ class Session:
                 raise ProtocolError(
                     "bad_request", "'voice' must be an object with audio_b64", utt.id
                 )
-            utt.ready = False
             try:
                 data = _b64(
                     inline.get("audio_b64"), "voice.audio_b64", self.limits.max_upload_bytes, utt.id
                 )
-                voice, _ = await self.services.create_voice(data, inline.get("transcript"))
-            except ConfigError as exc:
-                self._end(utt, State.FAILED)
-                raise ProtocolError(getattr(exc, "code", "bad_request"), str(exc), utt.id) from exc
             except ProtocolError:
                 self._end(utt, State.FAILED)
                 raise
-            if utt.state is not State.RUNNING:
-                return  # cancelled while the voice was encoding
-            utt.voice, utt.ready = voice.reference, True
+            utt.ready = False
+            # Encoding takes a while: the connection keeps reading (a cancel must get through).
+            self._spawn(self._voice_then_start(utt, data, inline.get("transcript")))
+            return
         self._pump(utt)
+
+    async def _voice_then_start(self, utt: Utterance, data: bytes, transcript) -> None:
+        try:
+            voice, _ = await self.services.create_voice(data, transcript)
+        except ConfigError as exc:
+            if utt.state is State.RUNNING:
+                self._end(utt, State.FAILED)
+                self.send_error(getattr(exc, "code", "bad_request"), str(exc), utt.id)
+            return
+        if utt.state is not State.RUNNING:
+            return  # cancelled while the voice was encoding
+        utt.voice, utt.ready = voice.reference, True
+        self._pump(utt)
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
 
     def _pump(self, utt: Utterance) -> None:
         """Starts segments that may run, sends audio that may go out, finishes when done."""
@@ -384,6 +401,8 @@ class Session:
     def close(self) -> None:
         """The client is gone: abort everything it started."""
         self.closed = True
+        for task in list(self.tasks):
+            task.cancel()
         for utt in list(self.utterances.values()):
             self._end(utt, State.CANCELLED)
 
