@@ -60,13 +60,13 @@ def main() -> None:
     ap.add_argument("--batches", default="1,32,64")
     ap.add_argument("--context", type=int, default=400)
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--variants", default="torch eager,triton eager,triton graphs")
+    ap.add_argument("--variants", default="torch-eager,triton-eager,triton-graphs")
     ap.add_argument("--profile", help="write a torch.profiler table of the graph path here")
     args = ap.parse_args()
     variants = {
-        "torch eager": dict(attention_backend="torch", cuda_graphs=False),
-        "triton eager": dict(attention_backend="triton", cuda_graphs=False),
-        "triton graphs": dict(attention_backend="triton", cuda_graphs=True),
+        "torch-eager": dict(attention_backend="torch", cuda_graphs=False),
+        "triton-eager": dict(attention_backend="triton", cuda_graphs=False),
+        "triton-graphs": dict(attention_backend="triton", cuda_graphs=True),
     }
     rows = []
     for name, extra in variants.items():
