@@ -52,6 +52,7 @@ class Services:
                     device=_device(self.settings.device),
                     max_num_seqs=self.settings.max_num_seqs,
                     max_num_batched_tokens=max(512, self.settings.max_num_seqs),
+                    cuda_graphs=self.settings.cuda_graphs,
                 ),
                 codec=self.settings.codec,
                 cache_dir=self.settings.cache_dir,

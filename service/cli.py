@@ -150,7 +150,13 @@ def serve(args: argparse.Namespace) -> int:
     from service.app import create_app
 
     settings = ServiceSettings.from_env(
-        model=args.model, codec=args.codec, device=args.device, host=args.host, port=args.port
+        model=args.model,
+        codec=args.codec,
+        device=args.device,
+        host=args.host,
+        port=args.port,
+        max_num_seqs=args.max_num_seqs,
+        cuda_graphs=False if args.eager else None,
     )
     app = create_app(settings)
     print(
@@ -181,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     v.add_argument("--host", help="bind address (default 127.0.0.1)")
     v.add_argument("--port", type=int, help="port (default 8737)")
+    v.add_argument("--max-num-seqs", type=int, help="requests decoded together (default 64)")
+    v.add_argument("--eager", action="store_true", help="no CUDA graphs (debugging, comparison)")
     v.add_argument("--log-level", default="info")
     v.set_defaults(func=serve)
     s = sub.add_parser("synthesize", help="speak a text into a WAV file, streaming")

@@ -11,6 +11,7 @@ variables (all named CLONECAST_*).
 | CLONECAST_API_KEYS | comma-separated keys; unset: no authentication |
 | CLONECAST_ALLOWED_ORIGINS | comma-separated browser origins; unset: any |
 | CLONECAST_MAX_CONNECTIONS, CLONECAST_MAX_NUM_SEQS | capacity |
+| CLONECAST_EAGER | 1: no CUDA graphs (debugging, comparison) |
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ class ServiceSettings:
     api_keys: tuple[str, ...] = ()
     allowed_origins: tuple[str, ...] = ()
     max_num_seqs: int = 64
+    cuda_graphs: bool = True
     limits: Limits = field(default_factory=Limits)
 
     @classmethod
@@ -77,6 +79,7 @@ class ServiceSettings:
             api_keys=_split(env.get("CLONECAST_API_KEYS")),
             allowed_origins=_split(env.get("CLONECAST_ALLOWED_ORIGINS")),
             max_num_seqs=int(env.get("CLONECAST_MAX_NUM_SEQS", 64)),
+            cuda_graphs=env.get("CLONECAST_EAGER", "0") not in ("1", "true", "yes"),
             limits=Limits(max_connections=int(env.get("CLONECAST_MAX_CONNECTIONS", 256))),
         )
         return replace(base, **{k: v for k, v in overrides.items() if v is not None})

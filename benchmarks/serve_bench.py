@@ -1,0 +1,350 @@
+"""The served benchmark of performance.md: the real server, the real WebSocket protocol, a
+closed loop of C clients on the same host sending voice-clone requests.
+
+For each concurrency: warm-up requests excluded, then `--requests` timed requests, repeated
+`--starts` times (fresh connections each time, same server); output lengths drawn from a
+seeded distribution with mean 109 frames (4.36 s), range 1-10 s, enforced with
+`max_duration_s` (random weights never choose to stop). Prints audio-s/s, requests/s, first
+audio mean/P50/P95/P99, completion mean, underruns and the first payload sizes; with
+`--eager`, the same load against a server without CUDA graphs, and the ratio.
+
+    python benchmarks/serve_bench.py --model DIR [--write-full] [--concurrency 1,32,64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import io
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+TEXTS = [
+    "Thanks for calling, how can I help you today?",
+    "The package will arrive on Thursday between nine and noon.",
+    "Please hold while I transfer you to a specialist.",
+    "Your appointment is confirmed for next Monday at three in the afternoon.",
+    "I can read that back to you one more time if you like.",
+    "The weather tomorrow looks clear with a light breeze from the west.",
+]
+
+
+@dataclass
+class Record:
+    sent: float
+    first_audio: float | None
+    done: float
+    audio_s: float
+    first_payload: int
+    underruns: int
+    reason: str
+
+
+def reference_wav(seconds: float, seed: int = 0) -> bytes:
+    import soundfile as sf
+
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(seconds * 24000)) / 24000
+    f0 = 120 + 40 * np.sin(2 * np.pi * 0.5 * t)
+    x = sum(np.sin(2 * np.pi * k * np.cumsum(f0) / 24000) / k for k in range(1, 8))
+    x = 0.2 * x * (0.6 + 0.4 * np.sin(2 * np.pi * 3 * t)) + 0.003 * rng.standard_normal(len(t))
+    buf = io.BytesIO()
+    sf.write(buf, x.astype(np.float32), 24000, format="WAV")
+    return buf.getvalue()
+
+
+def durations(n: int, seed: int) -> list[float]:
+    """Seeded output lengths: mean about 4.36 s (109 frames), clipped to 1-10 s."""
+    rng = random.Random(seed)
+    return [min(10.0, max(1.0, rng.gammavariate(4.0, 4.36 / 4.0))) for _ in range(n)]
+
+
+async def one_request(ws, uid: str, voice_id: str, text: str, seconds: float, seed: int) -> Record:
+    from service.wire import unpack_audio
+
+    sent = time.perf_counter()
+    await ws.send(
+        json.dumps(
+            {
+                "type": "speak",
+                "id": uid,
+                "text": text,
+                "voice_id": voice_id,
+                "params": {
+                    "temperature": 1.0,
+                    "top_k": 50,
+                    "top_p": 0.95,
+                    "seed": seed,
+                    "max_duration_s": seconds,
+                },
+            }
+        )
+    )
+    first = None
+    first_payload = 0
+    audio = 0.0
+    underruns = 0
+    while True:
+        msg = await ws.recv()
+        now = time.perf_counter()
+        if isinstance(msg, bytes):
+            frame = unpack_audio(msg)
+            if frame.payload:
+                if first is None:
+                    first, first_payload = now, len(frame.payload)
+                elif now > first + audio:
+                    underruns += 1
+                audio += len(frame.payload) / 48000
+            continue
+        data = json.loads(msg)
+        if data["type"] == "done":
+            return Record(sent, first, now, audio, first_payload, underruns, data["reason"])
+        if data["type"] == "error":
+            raise RuntimeError(f"server error: {data}")
+
+
+async def run_load(
+    url: str, voice_id: str, concurrency: int, warmup: int, timed: int, seed: int
+) -> list[Record]:
+    import websockets
+
+    lengths = durations(warmup + timed + concurrency, seed)
+    counter = iter(range(10**9))
+    records: list[tuple[int, Record]] = []
+
+    async def client(c: int) -> None:
+        async with websockets.connect(url, max_size=None) as ws:
+            json.loads(await ws.recv())  # ready
+            while True:
+                i = next(counter)
+                if i >= warmup + timed:
+                    return
+                rec = await one_request(
+                    ws, f"c{c}-{i}", voice_id, TEXTS[i % len(TEXTS)], lengths[i], seed * 100_000 + i
+                )
+                records.append((i, rec))
+
+    await asyncio.gather(*(client(c) for c in range(concurrency)))
+    return [r for i, r in sorted(records, key=lambda x: x[0]) if i >= warmup]
+
+
+def summarise(records: list[Record], wall: float | None = None) -> dict:
+    """Figures over `records`; `wall` defaults to first send -> last done."""
+    wall = wall or max(r.done for r in records) - min(r.sent for r in records)
+    ttfa = sorted((r.first_audio - r.sent) * 1e3 for r in records if r.first_audio)
+    pct = lambda p: ttfa[min(len(ttfa) - 1, int(round(p / 100 * (len(ttfa) - 1))))]  # noqa: E731
+    return {
+        "audio_s_per_s": sum(r.audio_s for r in records) / wall,
+        "requests_per_s": len(records) / wall,
+        "wall_s": wall,
+        "ttfa_mean": statistics.fmean(ttfa),
+        "ttfa_p50": pct(50),
+        "ttfa_p95": pct(95),
+        "ttfa_p99": pct(99),
+        "completion_mean": statistics.fmean(r.done - r.sent for r in records),
+        "underruns": sum(r.underruns for r in records),
+        "first_payloads": sorted({r.first_payload for r in records}),
+        "mean_audio_s": statistics.fmean(r.audio_s for r in records),
+        "reasons": sorted({r.reason for r in records}),
+    }
+
+
+def start_server(model: str | None, port: int, eager: bool, max_num_seqs: int, log: Path):
+    cmd = [
+        sys.executable,
+        "-m",
+        "service.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+        "--max-num-seqs",
+        str(max_num_seqs),
+    ]
+    if model:
+        cmd += ["--model", model]
+    if eager:
+        cmd.append("--eager")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited ({proc.returncode}); see {log}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2) as r:
+                if r.status == 200:
+                    return proc
+        except OSError:
+            pass
+        time.sleep(1)
+    proc.kill()
+    raise RuntimeError("server did not become ready")
+
+
+def step_stats(port: int) -> tuple[float, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+    get = lambda name: float(next(l.split()[-1] for l in text.splitlines() if l.startswith(name)))  # noqa: E731,E741
+    return get("clonecast_engine_step_seconds_sum"), get("clonecast_engine_step_seconds_count")
+
+
+async def create_voice(url: str, audio: bytes) -> str:
+    import websockets
+
+    async with websockets.connect(url, max_size=None) as ws:
+        json.loads(await ws.recv())
+        await ws.send(
+            json.dumps(
+                {
+                    "type": "voice.create",
+                    "request_id": "bench",
+                    "audio_b64": base64.b64encode(audio).decode(),
+                    "transcript": "A short reference recording for the benchmark.",
+                }
+            )
+        )
+        while True:
+            data = json.loads(await ws.recv())
+            if data["type"] == "voice.created":
+                return data["voice_id"]
+            if data["type"] == "error":
+                raise RuntimeError(data)
+
+
+def bench_server(args, eager: bool, out: Path) -> dict:
+    port = args.port + (1 if eager else 0)
+    proc = start_server(
+        args.model, port, eager, args.max_num_seqs, out / f"server{'-eager' if eager else ''}.log"
+    )
+    url = f"ws://127.0.0.1:{port}/v1/stream"
+    results = {}
+    try:
+        voice = asyncio.run(create_voice(url, reference_wav(args.reference_s)))
+        for c in (int(x) for x in args.concurrency.split(",")):
+            starts = []
+            for s in range(args.starts):
+                s0, n0 = step_stats(port)
+                recs = asyncio.run(
+                    run_load(url, voice, c, args.warmup, args.requests, seed=1000 * c + s)
+                )
+                s1, n1 = step_stats(port)
+                summary = summarise(recs)
+                summary["step_ms"] = (s1 - s0) / max(1, n1 - n0) * 1e3
+                starts.append((summary, recs))
+            pool = summarise(
+                [r for _, recs in starts for r in recs], wall=sum(s["wall_s"] for s, _ in starts)
+            )
+            pool["step_ms"] = statistics.fmean(s["step_ms"] for s, _ in starts)
+            results[c] = [s for s, _ in starts] + [pool]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", help="checkpoint dir (default: the embedded default model)")
+    ap.add_argument(
+        "--write-full", help="write a full-size random checkpoint with codec here first"
+    )
+    ap.add_argument("--concurrency", default="1,32,64")
+    ap.add_argument("--requests", type=int, default=256, help="timed requests (0: max(16, 2C))")
+    ap.add_argument("--warmup", type=int, default=64, help="excluded requests (-1: C)")
+    ap.add_argument("--starts", type=int, default=3)
+    ap.add_argument("--reference-s", type=float, default=4.0)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--port", type=int, default=8790)
+    ap.add_argument("--eager", action="store_true", help="also run without CUDA graphs")
+    ap.add_argument("--out", default=os.environ.get("OUT", "out/bench"))
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.write_full:
+        write_full(Path(args.write_full))
+        args.model = args.write_full
+    runs = {"default": bench_server(args, eager=False, out=out)}
+    if args.eager:
+        runs["eager"] = bench_server(args, eager=True, out=out)
+    (out / "serve_bench.json").write_text(json.dumps(runs, indent=2))
+    print_table(runs)
+
+
+def write_full(path: Path) -> None:
+    if (path / "config.json").is_file():
+        return
+    import torch
+
+    from engine.checkpoint_writer import FULL_TEXT_CONFIG, write_checkpoint
+    from engine.codec.config import STANDARD_CODEC_CONFIG
+
+    write_checkpoint(
+        path,
+        FULL_TEXT_CONFIG,
+        seed=11,
+        max_shard_bytes=4 << 30,
+        device="cuda",
+        dtype=torch.bfloat16,
+        codec_config=STANDARD_CODEC_CONFIG,
+    )
+
+
+ROW = "{:<7}{:>4}{:>6}{:>10.1f}{:>7.1f}{:>10.1f}{:>7.1f}{:>7.1f}{:>7.1f}{:>8.2f}{:>10}{:>8.2f}  {}"
+
+
+def print_table(runs: dict) -> None:
+    head = (
+        "mode",
+        "C",
+        "start",
+        "audio-s/s",
+        "req/s",
+        "TTFA mean",
+        "P50",
+        "P95",
+        "P99",
+        "compl s",
+        "underruns",
+        "step ms",
+        "first bytes",
+    )
+    print(
+        "\n" + "{:<7}{:>4}{:>6}{:>10}{:>7}{:>10}{:>7}{:>7}{:>7}{:>8}{:>10}{:>8}  {}".format(*head)
+    )
+    for mode, per_c in runs.items():
+        for c, starts in per_c.items():
+            for i, s in enumerate(starts):
+                label = "pool" if i == len(starts) - 1 else str(i + 1)
+                row = (
+                    mode,
+                    c,
+                    label,
+                    s["audio_s_per_s"],
+                    s["requests_per_s"],
+                    s["ttfa_mean"],
+                    s["ttfa_p50"],
+                    s["ttfa_p95"],
+                    s["ttfa_p99"],
+                    s["completion_mean"],
+                    s["underruns"],
+                    s["step_ms"],
+                    s["first_payloads"],
+                )
+                print(ROW.format(*row))
+
+
+if __name__ == "__main__":
+    main()

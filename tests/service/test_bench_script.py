@@ -1,0 +1,38 @@
+"""The served benchmark script runs end to end (tiny scale, CPU, embedded model)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_serve_bench_smoke(tmp_path, model_cache):
+    env = {**os.environ, "CLONECAST_CACHE_DIR": str(model_cache), "CLONECAST_DEVICE": "cpu"}
+    cmd = [
+        sys.executable,
+        "benchmarks/serve_bench.py",
+        "--concurrency",
+        "2",
+        "--requests",
+        "3",
+        "--warmup",
+        "1",
+        "--starts",
+        "1",
+        "--port",
+        "8811",
+        "--out",
+        str(tmp_path),
+    ]
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    runs = json.loads((tmp_path / "serve_bench.json").read_text())
+    pool = runs["default"]["2"][-1]
+    assert pool["first_payloads"] == [15360]
+    assert pool["audio_s_per_s"] > 0 and pool["ttfa_p50"] > 0
+    assert "pool" in result.stdout
