@@ -237,9 +237,9 @@ def bench_server(args, eager: bool, out: Path) -> dict:
             starts = []
             for s in range(args.starts):
                 s0, n0 = step_stats(port)
-                recs = asyncio.run(
-                    run_load(url, voice, c, args.warmup, args.requests, seed=1000 * c + s)
-                )
+                warmup = args.warmup if args.warmup >= 0 else c
+                timed = args.requests if args.requests > 0 else max(16, 2 * c)
+                recs = asyncio.run(run_load(url, voice, c, warmup, timed, seed=1000 * c + s))
                 s1, n1 = step_stats(port)
                 summary = summarise(recs)
                 summary["step_ms"] = (s1 - s0) / max(1, n1 - n0) * 1e3
