@@ -178,7 +178,8 @@ def start_server(model: str | None, port: int, eager: bool, max_num_seqs: int, l
         cmd += ["--model", model]
     if eager:
         cmd.append("--eager")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline:
