@@ -22,6 +22,7 @@ from engine.block_manager import BlockManager
 from engine.checkpoint_writer import UNTRAINED_NOTICE, default_model_dir
 from engine.codec.audio_io import AudioLimits
 from engine.codec.codec import Codec
+from engine.codec.codec_graphs import CodecGraphs
 from engine.config import ConfigError, EngineConfig, SamplingParams, VoiceReference
 from engine.cuda_graphs import CudaGraphs
 from engine.loader import load_model, resolve_checkpoint
@@ -139,16 +140,29 @@ class Engine:
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.blocks)
         self.runner = ModelRunner(self.model, config, num_blocks)
-        self.capture_reports = []
-        if config.cuda_graphs and device.type == "cuda" and backend == "triton":
-            self.runner.graphs = CudaGraphs(self.runner)
-            self.capture_reports.append(self.runner.graphs.capture())
         self.codec = _load_codec(codec or checkpoint, config, device, codec is not None)
+        self.capture_reports = []
+        if config.cuda_graphs and device.type == "cuda":
+            self._capture_graphs(backend)
         self.audio_limits = AudioLimits()
         self._streams: dict[str, AudioStream] = {}
         self._counters = _Counters()
         if is_default:
             log.warning(UNTRAINED_NOTICE)
+
+    def _capture_graphs(self, backend: str) -> None:
+        """Backbone graphs (Triton attention only) and codec graphs, before any request."""
+        if backend == "triton":
+            self.runner.graphs = CudaGraphs(self.runner)
+            self.capture_reports.append(self.runner.graphs.capture())
+        if self.codec is not None:
+            stream = self.config.stream
+            window = stream.left_context_frames + stream.chunk_frames + stream.holdback_frames
+            graphs = CodecGraphs(
+                self.codec.decoder, self.config.max_num_seqs, stream.first_chunk_frames, window
+            )
+            self.capture_reports.append(graphs.capture())
+            self.codec.chunks.graphs = graphs
 
     @classmethod
     def from_pretrained(

@@ -61,6 +61,12 @@ class Services:
             raise ConfigError(
                 "the service needs a codec: the checkpoint bundles none; set CLONECAST_CODEC"
             )
+        for report in self.engine.capture_reports:
+            self.metrics.capture_seconds.labels(report.family).set(report.seconds)
+            self.metrics.capture_memory.labels(report.family, "allocated").set(
+                report.allocated_bytes
+            )
+            self.metrics.capture_memory.labels(report.family, "reserved").set(report.reserved_bytes)
         self.worker = EngineWorker(self.engine, on_step=self._on_step)
         self.worker.start()
 

@@ -1,0 +1,77 @@
+"""CUDA graphs of the codec decoder for the exact shapes streaming produces: (b, 8) first
+chunks and (b, 33) steady windows for every batch size up to the maximum, and (1, 1..33)
+tails. Never padded in time (the decoder is not causal: padding would change the audio).
+Captured once at start-up; any other shape runs eagerly."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from engine.codec.decoder import CodecDecoder
+from engine.cuda_graphs import CaptureReport
+
+log = logging.getLogger("clonecast.codec_graphs")
+
+
+class CodecGraphs:
+    def __init__(
+        self,
+        decoder: CodecDecoder,
+        max_batch: int,
+        first_frames: int = 8,
+        window_frames: int = 33,
+        max_tail: int = 33,
+    ):
+        self.decoder = decoder
+        shapes = {(b, t) for b in range(1, max_batch + 1) for t in (first_frames, window_frames)}
+        shapes |= {(1, t) for t in range(1, max_tail + 1)}
+        self.shapes = sorted(shapes, key=lambda s: s[0] * s[1], reverse=True)  # large first
+        self.graphs: dict[
+            tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]
+        ] = {}
+        self.report = CaptureReport("codec")
+
+    @torch.inference_mode()
+    def capture(self) -> CaptureReport:
+        device = self.decoder.codebooks.device
+        pool = torch.cuda.graph_pool_handle()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        alloc0, reserved0 = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+        for b, t in self.shapes:
+            codes = torch.zeros(b, 8, t, dtype=torch.long, device=device)
+            for _ in range(2):
+                self.decoder(codes)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                audio = self.decoder(codes)
+            self.graphs[(b, t)] = (graph, codes, audio)
+        torch.cuda.synchronize()
+        r = self.report
+        r.num_graphs, r.seconds = len(self.graphs), time.perf_counter() - start
+        r.allocated_bytes = torch.cuda.memory_allocated() - alloc0
+        r.reserved_bytes = torch.cuda.memory_reserved() - reserved0
+        r.shapes = list(self.graphs)
+        log.info(
+            "captured %d codec graphs in %.2f s (+%.1f MiB allocated, +%.1f MiB reserved)",
+            r.num_graphs,
+            r.seconds,
+            r.allocated_bytes / 2**20,
+            r.reserved_bytes / 2**20,
+        )
+        return r
+
+    def run(self, codes: torch.Tensor) -> torch.Tensor | None:
+        """Replays the graph of this exact shape (`[B, 8, T]`); None when there is none. The
+        result is the graph's static output: read it before the next replay."""
+        entry = self.graphs.get((codes.shape[0], codes.shape[2]))
+        if entry is None:
+            return None
+        graph, inp, out = entry
+        inp.copy_(codes, non_blocking=True)
+        graph.replay()
+        return out
