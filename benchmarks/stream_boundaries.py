@@ -12,13 +12,11 @@ Differences are relative to the RMS of the whole decode; "near" is +-960 samples
 from __future__ import annotations
 
 import argparse
-import math
 import random
 import tempfile
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from engine.checkpoint_writer import write_codec_dir
 from engine.codec.audio_io import AudioLimits
@@ -32,17 +30,9 @@ HOP = 960
 
 
 def tiny_codec_dir(directory: Path, hf_init: bool) -> Path:
-    path = write_codec_dir(directory, TINY_CODEC_CONFIG, seed=1)
-    if not hf_init:
-        state = load_file(path / "model.safetensors")
-        gen = torch.Generator().manual_seed(1)
-        for key, w in sorted(state.items()):
-            decoder_side = key.startswith(("fc2.", "acoustic_decoder.")) or "project_out" in key
-            if decoder_side and key.endswith(".weight") and w.dim() >= 2:
-                fan_in = 2 * w.shape[0] if ".conv_t1." in key else w[0].numel()
-                state[key] = torch.randn(w.shape, generator=gen) * 0.6 / math.sqrt(fan_in)
-        save_file(state, str(path / "model.safetensors"))
-    return path
+    return write_codec_dir(
+        directory, TINY_CODEC_CONFIG, seed=1, decoder_std=None if hf_init else 0.6
+    )
 
 
 def stats(diff: torch.Tensor) -> tuple[float, float]:

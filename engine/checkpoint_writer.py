@@ -27,7 +27,7 @@ from engine.loader import (
     TEXT_EMBED_KEY,
 )
 
-DEFAULT_MODEL_VERSION = "v2"
+DEFAULT_MODEL_VERSION = "v3"
 UNTRAINED_NOTICE = (
     "the embedded default model has random weights: its audio is not speech. "
     "Pass a real Higgs Audio v3 checkpoint to hear a voice."
@@ -59,9 +59,17 @@ FULL_TEXT_CONFIG = {  # Higgs v3 4B shape (spec section 1)
 }
 
 
-def random_codec_weights(codec_config: dict, seed: int) -> dict[str, torch.Tensor]:
+def random_codec_weights(
+    codec_config: dict, seed: int, decoder_std: float | None = 0.6
+) -> dict[str, torch.Tensor]:
     """A seeded random codec in transformers' HiggsAudioV2TokenizerModel naming, with random
-    codebooks (its own init leaves them zero, which would make every code sound the same)."""
+    codebooks (its own init leaves them zero, which would make every code sound the same).
+
+    With `decoder_std`, the decoder-side weights are redrawn at decoder_std / sqrt(fan_in):
+    transformers' init (std 0.02) leaves the audio almost independent of the codes (changing
+    every code of a frame moves it by ~0.1 % of its RMS, below one PCM16 step), so mixed-up
+    windows would go unnoticed; redrawn, one code moves it by ~30 % with activations O(1).
+    """
     from transformers import HiggsAudioV2TokenizerConfig, HiggsAudioV2TokenizerModel
 
     raw = {k: v for k, v in codec_config.items() if k != "model_type"}
@@ -74,14 +82,24 @@ def random_codec_weights(codec_config: dict, seed: int) -> dict[str, torch.Tenso
                 state[key] = torch.randn(t.shape) * 0.5
             elif key.endswith(".alpha"):
                 state[key] = 1.0 + 0.2 * torch.rand(t.shape)
+    if decoder_std is not None:
+        gen = torch.Generator().manual_seed(seed)
+        for key, w in sorted(state.items()):
+            decoder_side = key.startswith(("fc2.", "acoustic_decoder.")) or "project_out" in key
+            if decoder_side and key.endswith(".weight") and w.dim() >= 2:
+                fan_in = 2 * w.shape[0] if ".conv_t1." in key else w[0].numel()
+                state[key] = torch.randn(w.shape, generator=gen) * decoder_std / fan_in**0.5
     return state
 
 
-def write_codec_dir(directory: Path, codec_config: dict, seed: int = 0) -> Path:
+def write_codec_dir(
+    directory: Path, codec_config: dict, seed: int = 0, decoder_std: float | None = 0.6
+) -> Path:
     """A standalone tokenizer directory (transformers layout) with random weights."""
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(codec_config, indent=2))
-    save_file(random_codec_weights(codec_config, seed), str(directory / "model.safetensors"))
+    weights = random_codec_weights(codec_config, seed, decoder_std)
+    save_file(weights, str(directory / "model.safetensors"))
     return directory
 
 

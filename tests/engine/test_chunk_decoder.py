@@ -3,14 +3,12 @@ against transformers' `HiggsAudioV2TokenizerModel` on the same weights."""
 
 from __future__ import annotations
 
-import math
 import random
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from engine.checkpoint_writer import write_codec_dir
 from engine.codec.audio_io import to_pcm16
@@ -25,19 +23,9 @@ MARKER = 777  # a window whose codes are all MARKER is the culprit of the fault 
 
 
 def write_test_codec(directory: Path, seed: int = 1) -> Path:
-    """The tiny random codec with its decoder weights redrawn at std 0.6 / sqrt(fan_in) (see
-    tests/engine/test_streaming.py: with transformers' init the audio hardly depends on the
-    codes, so mixed-up windows would decode to the same PCM)."""
-    path = write_codec_dir(directory, TINY_CODEC_CONFIG, seed=seed)
-    state = load_file(path / "model.safetensors")
-    gen = torch.Generator().manual_seed(seed)
-    for key, w in sorted(state.items()):
-        decoder_side = key.startswith(("fc2.", "acoustic_decoder.")) or "project_out" in key
-        if decoder_side and key.endswith(".weight") and w.dim() >= 2:
-            fan_in = 2 * w.shape[0] if ".conv_t1." in key else w[0].numel()
-            state[key] = torch.randn(w.shape, generator=gen) * 0.6 / math.sqrt(fan_in)
-    save_file(state, str(path / "model.safetensors"))
-    return path
+    """The tiny random codec, decoder weights at std 0.6 / sqrt(fan_in) (see
+    engine.checkpoint_writer.random_codec_weights): its audio depends strongly on the codes."""
+    return write_codec_dir(directory, TINY_CODEC_CONFIG, seed=seed, decoder_std=0.6)
 
 
 @pytest.fixture(scope="module")
