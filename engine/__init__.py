@@ -8,6 +8,8 @@ Public API (everything else in this package is internal):
 - `StreamConfig`, `AudioLimits`: streaming chunk sizes; reference-audio limits.
 - `RequestOutput`, `AudioChunk`, `GenerationResult`, `EngineStats`: outputs.
 - `ReferenceAudioError`: unusable reference audio, with a stable `code`.
+- `StreamingResampler`: 24 kHz chunks to another rate, exact across chunk cuts.
+- `default_device()`: "cuda" when a GPU is usable, else "cpu".
 - `ConfigError`: every rejected input or checkpoint.
 - `UNTRAINED_NOTICE`: what to show whenever the embedded default model is in use.
 
@@ -27,6 +29,8 @@ _PUBLIC = {
     "AudioChunk": "engine.engine",
     "ReferenceAudioError": "engine.codec.audio_io",
     "AudioLimits": "engine.codec.audio_io",
+    "StreamingResampler": "engine.codec.resample",
+    "default_device": "engine.engine",
     "Engine": "engine.engine",
     "EngineStats": "engine.engine",
     "GenerationResult": "engine.engine",

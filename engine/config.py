@@ -17,6 +17,7 @@ BOC = 1024  # pad before a codebook starts
 EOC = 1025  # pad after a codebook ends
 FRAMES_PER_SECOND = 25
 DEFAULT_MAX_ROWS = 2048  # 2048 rows -> 2040 frames -> 81.6 s
+MAX_TEMPERATURE = 100.0
 
 ADDED_TOKENS = ("<|tts|>", "<|text|>", "<|audio|>", "<|ref_audio|>", "<|ref_text|>")
 
@@ -223,14 +224,24 @@ class SamplingParams:
     max_rows: int = DEFAULT_MAX_ROWS
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
-            raise ConfigError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if (
+            not isinstance(self.temperature, (int, float))
+            or isinstance(self.temperature, bool)
+            or not (math.isfinite(self.temperature) and 0.0 <= self.temperature <= MAX_TEMPERATURE)
+        ):
+            raise ConfigError(
+                f"temperature must be a number in [0, {MAX_TEMPERATURE}], got {self.temperature!r}"
+            )
+        if type(self.top_k) is not int or not 0 <= self.top_k <= 2**31:
             raise ConfigError(f"top_k must be an integer >= 0 (0 disables), got {self.top_k!r}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.seed is not None and not (0 <= self.seed < 2**63):
-            raise ConfigError(f"seed must be in [0, 2**63), got {self.seed}")
+        if (
+            not isinstance(self.top_p, (int, float))
+            or isinstance(self.top_p, bool)
+            or not (0.0 < self.top_p <= 1.0)
+        ):
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (type(self.seed) is not int or not 0 <= self.seed < 2**63):
+            raise ConfigError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         if not isinstance(self.max_rows, int) or not 1 <= self.max_rows <= DEFAULT_MAX_ROWS:
             raise ConfigError(f"max_rows must be in [1, {DEFAULT_MAX_ROWS}], got {self.max_rows}")
 

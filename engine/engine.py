@@ -205,6 +205,16 @@ class Engine:
         if audio:
             self._streams[request_id] = AudioStream(request_id, self.config.stream)
 
+    def check_text(self, text: str, reference: VoiceReference | None = None) -> None:
+        """Raises ConfigError if `text` cannot be spoken (empty, structural tokens, too long
+        for `max_model_len`); lets callers reject input before queueing anything."""
+        prompt = build_prompt(self.tokenizer, self.tokenizer.special, text, reference)
+        if len(prompt) + 1 > self.config.max_model_len:
+            raise ConfigError(
+                f"the prompt has {len(prompt)} positions; max_model_len is "
+                f"{self.config.max_model_len}: shorten the text or the reference"
+            )
+
     def encode_reference(
         self,
         audio: bytes | None = None,
@@ -313,7 +323,7 @@ class Engine:
 
     def _output(self, request: Request, row: AudioRow, reason, audio) -> RequestOutput:
         chunk = audio.get(request.request_id)
-        if chunk is not None and chunk.error and reason is None:
+        if chunk is not None and chunk.error:
             reason = FinishReason.ERROR  # a codec failure ends this request alone
         if reason is None:
             return RequestOutput(request.request_id, [row], audio=chunk)
@@ -343,8 +353,15 @@ class Engine:
         if len(refs) != len(texts) or len(plist) != len(texts):
             raise ConfigError("texts, references and params must have the same length")
         ids = [f"generate-{id(self)}-{self._counters.steps}-{i}" for i in range(len(texts))]
-        for rid, text, ref, p in zip(ids, texts, refs, plist, strict=True):
-            self.add_request(rid, text, reference=ref, params=p, audio=audio)
+        added: list[str] = []
+        try:
+            for rid, text, ref, p in zip(ids, texts, refs, plist, strict=True):
+                self.add_request(rid, text, reference=ref, params=p, audio=audio)
+                added.append(rid)
+        except ConfigError:
+            for rid in added:  # all or nothing
+                self.abort(rid)
+            raise
         results: dict[str, GenerationResult] = {}
         pcm: dict[str, list[bytes]] = {rid: [] for rid in ids}
         while len(results) < len(ids):
@@ -375,6 +392,10 @@ class Engine:
             num_voice_encodes=self.codec.encoder.num_encodes if self.codec else 0,
             num_voice_cache_hits=self.codec.voices.stats.hits if self.codec else 0,
         )
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _load_codec(path: Path, config: EngineConfig, device: torch.device, required: bool):

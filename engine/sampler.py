@@ -57,7 +57,7 @@ class Sampler:
 
     def set_params(self, slot: int, params: SamplingParams, seed: int) -> None:
         self.temperature[slot] = params.temperature
-        self.top_k[slot] = params.top_k if params.top_k > 0 else CODEBOOK_SIZE
+        self.top_k[slot] = min(params.top_k, CODEBOOK_SIZE) if params.top_k > 0 else CODEBOOK_SIZE
         self.top_p[slot] = params.top_p
         self.seed[slot] = seed
 

@@ -12,7 +12,14 @@ from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import Route, WebSocketRoute
 
-from engine import UNTRAINED_NOTICE, ConfigError, Engine, EngineConfig, SamplingParams
+from engine import (
+    UNTRAINED_NOTICE,
+    ConfigError,
+    Engine,
+    EngineConfig,
+    SamplingParams,
+    default_device,
+)
 from service.config import ServiceSettings
 from service.http_api import (
     health,
@@ -118,11 +125,7 @@ class Services:
 
 
 def _device(requested: str | None) -> str:
-    if requested:
-        return requested
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    return requested or default_device()
 
 
 def create_app(settings: ServiceSettings | None = None, engine: Engine | None = None) -> Starlette:

@@ -8,16 +8,16 @@ holds back a few milliseconds of input for look-ahead and releases them on `fini
 
 from __future__ import annotations
 
-import math
 import struct
 from dataclasses import dataclass
 
 import numpy as np
 
+from engine import StreamingResampler
+
 ENGINE_RATE = 24000
 FORMATS = ("pcm16", "f32", "mulaw", "wav")
 SAMPLE_RATES = (8000, 16000, 22050, 24000, 44100, 48000)
-_MARGIN = 64  # input samples of context on each side of a resampled span
 
 
 @dataclass(frozen=True)
@@ -30,11 +30,11 @@ class OutputFormat:
         """From the protocol's `output` object; ValueError with a clear message if invalid."""
         spec = dict(spec or {})
         fmt = spec.pop("format", "pcm16")
-        if fmt not in FORMATS:
+        if not isinstance(fmt, str) or fmt not in FORMATS:
             raise ValueError(f"output.format must be one of {list(FORMATS)}, got {fmt!r}")
         default_rate = 8000 if fmt == "mulaw" else ENGINE_RATE
         rate = spec.pop("sample_rate", default_rate)
-        if rate not in SAMPLE_RATES:
+        if type(rate) is not int or rate not in SAMPLE_RATES:
             raise ValueError(
                 f"output.sample_rate must be one of {list(SAMPLE_RATES)}, got {rate!r}"
             )
@@ -45,49 +45,6 @@ class OutputFormat:
     @property
     def bytes_per_sample(self) -> int:
         return {"pcm16": 2, "wav": 2, "f32": 4, "mulaw": 1}[self.format]
-
-
-class StreamingResampler:
-    """24 kHz float chunks in, `rate` out; exact against one-shot resampling up to rounding."""
-
-    def __init__(self, rate: int):
-        g = math.gcd(ENGINE_RATE, rate)
-        self.rate, self.in_period, self.out_period = rate, ENGINE_RATE // g, rate // g
-        self.margin = -(-_MARGIN // self.in_period) * self.in_period
-        self._buf = np.zeros(0, np.float32)  # input from `_base` on
-        self._base = 0  # absolute index of _buf[0]
-        self._done = 0  # input samples whose output was emitted (a multiple of in_period)
-
-    def push(self, x: np.ndarray) -> np.ndarray:
-        self._buf = np.concatenate([self._buf, x])
-        total = self._base + len(self._buf)
-        end = (total - self.margin) // self.in_period * self.in_period
-        return self._emit(end, final=False) if end > self._done else np.zeros(0, np.float32)
-
-    def finish(self) -> np.ndarray:
-        return self._emit(self._base + len(self._buf), final=True)
-
-    def _emit(self, end: int, final: bool) -> np.ndarray:
-        import torch
-        import torchaudio
-
-        start = self._done
-        lead = min(self.margin, start)
-        lo = start - lead - self._base
-        hi = len(self._buf) if final else end + self.margin - self._base
-        segment = torch.from_numpy(np.ascontiguousarray(self._buf[lo:hi]))
-        out = torchaudio.functional.resample(segment, ENGINE_RATE, self.rate).numpy()
-        first = lead * self.out_period // self.in_period
-        if final:
-            count = (
-                math.ceil(end * self.rate / ENGINE_RATE) - start * self.out_period // self.in_period
-            )
-        else:
-            count = (end - start) * self.out_period // self.in_period
-        self._done = end
-        keep_from = max(0, end - self.margin - self._base)
-        self._buf, self._base = self._buf[keep_from:], self._base + keep_from
-        return out[first : first + count].astype(np.float32, copy=False)
 
 
 class StreamEncoder:

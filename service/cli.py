@@ -14,17 +14,20 @@ import time
 import wave
 from pathlib import Path
 
-from engine import UNTRAINED_NOTICE, ConfigError, Engine, EngineConfig, SamplingParams
+from engine import (
+    UNTRAINED_NOTICE,
+    ConfigError,
+    Engine,
+    EngineConfig,
+    SamplingParams,
+    default_device,
+)
 from service.client_cli import add_say_parser
 from service.config import ServiceSettings
 
 
 def _device(requested: str | None) -> str:
-    if requested:
-        return requested
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    return requested or default_device()
 
 
 def generate(args: argparse.Namespace) -> int:

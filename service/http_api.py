@@ -11,9 +11,10 @@ import json
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from engine import ConfigError, SamplingParams
-from service.audio_format import OutputFormat, StreamEncoder, wav_header
+from engine import ConfigError
+from service.audio_format import StreamEncoder, wav_header
 from service.auth import extract_key, key_allowed
+from service.protocol import ProtocolError, parse_params
 from service.text_segments import split_text
 
 MEDIA_TYPES = {
@@ -79,6 +80,8 @@ async def voice_create(request: Request) -> Response:
             payload = json.loads(body)
             data = base64.b64decode(payload["audio_b64"], validate=True)
             transcript = payload.get("transcript", transcript)
+            if transcript is not None and not isinstance(transcript, str):
+                raise TypeError("transcript must be a string")
         except (json.JSONDecodeError, KeyError, TypeError, binascii.Error, ValueError):
             return error(
                 "bad_request", 'send JSON {"audio_b64": ..., "transcript": ...} or a raw audio body'
@@ -168,6 +171,8 @@ def _speech_job(body: dict, services) -> dict:
     if body.get("speed", 1.0) != 1.0:
         raise _BadInput("bad_parameter", "'speed' is not supported (only 1.0)")
     voice_name = body.get("voice", "default")
+    if voice_name is not None and not isinstance(voice_name, str):
+        raise _BadInput("bad_request", "'voice' must be a voice_id string or \"default\"")
     reference = None
     if voice_name not in (None, "default"):
         voice = services.voices.get(voice_name)
@@ -176,26 +181,25 @@ def _speech_job(body: dict, services) -> dict:
                 "unknown_voice", f"no voice {voice_name!r}: create it with POST /v1/voices"
             )
         reference = voice.reference
-    fmt_name = FORMAT_ALIASES.get(body.get("response_format", "wav"))
-    if fmt_name is None:
+    fmt_name = body.get("response_format", "wav")
+    if not isinstance(fmt_name, str) or fmt_name not in FORMAT_ALIASES:
         raise _BadInput("bad_parameter", f"response_format must be one of {sorted(FORMAT_ALIASES)}")
-    try:
-        spec = {"format": fmt_name}
-        if "sample_rate" in body:
-            spec["sample_rate"] = body["sample_rate"]
-        fmt = OutputFormat.parse(spec)
-        sampling = {k: body[k] for k in ("temperature", "top_k", "top_p", "seed") if k in body}
-        if "max_duration_s" in body:
-            sampling["max_rows"] = min(2048, int(float(body["max_duration_s"]) * 25) + 8)
-        params = SamplingParams.from_dict(sampling)
-    except (ValueError, TypeError, ConfigError) as exc:
-        raise _BadInput("bad_parameter", str(exc)) from exc
-    return {
-        "segments": split_text(text, limits.max_segment_chars),
-        "reference": reference,
-        "params": params,
-        "format": fmt,
+    output = {"format": FORMAT_ALIASES[fmt_name]}
+    if "sample_rate" in body:
+        output["sample_rate"] = body["sample_rate"]
+    sampling = {
+        k: body[k] for k in ("temperature", "top_k", "top_p", "seed", "max_duration_s") if k in body
     }
+    try:
+        params, fmt = parse_params(sampling, output)
+        segments = split_text(text, limits.max_segment_chars)
+        for segment in segments:
+            services.engine.check_text(segment, reference)
+    except ProtocolError as exc:
+        raise _BadInput(exc.code, str(exc)) from exc
+    except ConfigError as exc:
+        raise _BadInput("bad_request", str(exc)) from exc
+    return {"segments": segments, "reference": reference, "params": params, "format": fmt}
 
 
 async def _generate(services, job: dict):
@@ -210,11 +214,11 @@ async def _generate(services, job: dict):
         def sink(out, queue=queue):
             loop.call_soon_threadsafe(queue.put_nowait, out)
 
-        await asyncio.wrap_future(
-            services.worker.submit(request_id, text, job["reference"], job["params"], sink)
-        )
         finished = False
         try:
+            await asyncio.wrap_future(
+                services.worker.submit(request_id, text, job["reference"], job["params"], sink)
+            )
             while not finished:
                 out = await queue.get()
                 if isinstance(out, BaseException) or out.finish_reason == "error":

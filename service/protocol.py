@@ -3,7 +3,13 @@ the stable error code the client receives (docs/protocol.md)."""
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
+import math
+
+from engine import ConfigError, SamplingParams
+from service.audio_format import OutputFormat
 
 MESSAGE_TYPES = ("speak", "append", "flush", "cancel", "voice.create", "voice.upload", "ping")
 
@@ -28,3 +34,49 @@ def parse_message(text: str) -> dict:
             "unknown_type", f"unknown message type {kind!r}; known: {list(MESSAGE_TYPES)}"
         )
     return message
+
+
+def parse_params(
+    params: object, output: object, uid: str | None = None
+) -> tuple[SamplingParams, OutputFormat]:
+    """`params` and `output` of a speak (or an HTTP speech request) -> validated objects.
+    `max_duration_s` (0, 81.6] becomes the row cap: ceil(s * 25) frames + the 8-row ramp."""
+    if params is None:
+        params = {}
+    if not isinstance(params, dict):
+        raise ProtocolError("bad_parameter", "'params' must be an object", uid)
+    raw = dict(params)
+    try:
+        max_s = raw.pop("max_duration_s", None)
+        if max_s is not None:
+            if (
+                not isinstance(max_s, (int, float))
+                or isinstance(max_s, bool)
+                or not 0 < max_s <= 81.6
+            ):
+                raise ConfigError(f"max_duration_s must be in (0, 81.6], got {max_s!r}")
+            raw["max_rows"] = min(2048, math.ceil(max_s * 25) + 8)
+        sampling = SamplingParams.from_dict(raw)
+        fmt = OutputFormat.parse(output)
+    except (ConfigError, ValueError, TypeError, OverflowError) as exc:
+        raise ProtocolError("bad_parameter", str(exc), uid) from exc
+    return sampling, fmt
+
+
+def decode_b64(value, field: str, max_bytes: int, uid: str | None = None) -> bytes:
+    if not isinstance(value, str) or not value:
+        raise ProtocolError("bad_request", f"'{field}' must be a non-empty base64 string", uid)
+    if len(value) * 3 // 4 > max_bytes:
+        raise ProtocolError(
+            "message_too_large", f"reference audio is limited to {max_bytes} bytes", uid
+        )
+    try:
+        return base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise ProtocolError("bad_request", f"'{field}' is not valid base64", uid) from exc
+
+
+def check_transcript(value, uid: str | None = None) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise ProtocolError("bad_request", "'transcript' must be a string", uid)
+    return value

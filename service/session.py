@@ -7,19 +7,21 @@ server). A disconnect cancels everything the connection started.
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import json
 import logging
-import math
 import time
 import uuid
 
 from starlette.websockets import WebSocket
 
-from engine import ConfigError, RequestOutput, SamplingParams
-from service.audio_format import OutputFormat
-from service.protocol import ProtocolError, parse_message
+from engine import ConfigError, RequestOutput
+from service.protocol import (
+    ProtocolError,
+    check_transcript,
+    decode_b64,
+    parse_message,
+    parse_params,
+)
 from service.text_segments import SegmentBuffer, split_text
 from service.utterance import State, Utterance
 from service.wire import pack_audio
@@ -135,6 +137,9 @@ class Session:
         except ProtocolError as exc:
             extra = {"request_id": message["request_id"]} if "request_id" in message else {}
             self.send_error(exc.code, str(exc), exc.uid, **extra)
+        except Exception:  # a bug: report it, keep the connection and its other utterances
+            log.exception("handling %s failed", message.get("type"))
+            self.send_error("internal", "the server failed to handle this message")
 
     async def on_bytes(self, data: bytes) -> None:
         upload, self.pending_upload = self.pending_upload, None
@@ -156,8 +161,9 @@ class Session:
         self.send_json({"type": "pong", "t": time.time()})
 
     async def _on_voice_create(self, message: dict) -> None:
-        data = _b64(message.get("audio_b64"), "audio_b64", self.limits.max_upload_bytes)
-        self._spawn(self._create_voice(data, message.get("transcript"), message.get("request_id")))
+        transcript = check_transcript(message.get("transcript"))
+        data = decode_b64(message.get("audio_b64"), "audio_b64", self.limits.max_upload_bytes)
+        self._spawn(self._create_voice(data, transcript, message.get("request_id")))
 
     async def _on_voice_upload(self, message: dict) -> None:
         size = message.get("bytes")
@@ -170,6 +176,7 @@ class Session:
                 "message_too_large",
                 f"reference uploads are limited to {self.limits.max_upload_bytes} bytes",
             )
+        check_transcript(message.get("transcript"))
         self.pending_upload = message
 
     async def _create_voice(self, data: bytes, transcript: str | None, request_id) -> None:
@@ -177,6 +184,12 @@ class Session:
             voice, cached = await self.services.create_voice(data, transcript)
         except ConfigError as exc:
             self.send_error(getattr(exc, "code", "bad_request"), str(exc), request_id=request_id)
+            return
+        except Exception:
+            log.exception("voice creation failed")
+            self.send_error(
+                "internal", "the server failed to encode this voice", request_id=request_id
+            )
             return
         self.send_json(
             {
@@ -191,7 +204,14 @@ class Session:
         text = _text(message, self.limits.max_text_chars)
         utt = await self._open(message, flushed=True)
         utt.text_chars = len(text)
-        utt.add_segments(split_text(text, self.limits.max_segment_chars))
+        segments = split_text(text, self.limits.max_segment_chars)
+        try:
+            for segment in segments:
+                self.services.engine.check_text(segment, utt.voice)
+        except ConfigError as exc:
+            self._end(utt, State.FAILED)
+            raise ProtocolError("bad_request", str(exc), utt.id) from exc
+        utt.add_segments(segments)
         self.send_json({"type": "started", "id": utt.id, "segments": len(utt.segments)})
         await self._start_when_voiced(utt, message)
 
@@ -273,9 +293,11 @@ class Session:
             )
         if self.services.worker.num_waiting >= self.limits.max_waiting_requests:
             raise ProtocolError("over_capacity", "the server is at capacity: retry shortly", uid)
-        params, fmt = _params(message, uid)
+        params, fmt = parse_params(message.get("params"), message.get("output"), uid)
         voice = None
         if message.get("voice_id") is not None:
+            if not isinstance(message["voice_id"], str):
+                raise ProtocolError("bad_request", "'voice_id' must be a string", uid)
             found = self.services.voices.get(message["voice_id"])
             if found is None:
                 raise ProtocolError(
@@ -295,7 +317,7 @@ class Session:
                     "bad_request", "'voice' must be an object with audio_b64", utt.id
                 )
             try:
-                data = _b64(
+                data = decode_b64(
                     inline.get("audio_b64"), "voice.audio_b64", self.limits.max_upload_bytes, utt.id
                 )
             except ProtocolError:
@@ -303,17 +325,33 @@ class Session:
                 raise
             utt.ready = False
             # Encoding takes a while: the connection keeps reading (a cancel must get through).
-            self._spawn(self._voice_then_start(utt, data, inline.get("transcript")))
+            try:
+                transcript = check_transcript(inline.get("transcript"), utt.id)
+            except ProtocolError:
+                self._end(utt, State.FAILED)
+                raise
+            self._spawn(self._voice_then_start(utt, data, transcript))
             return
         self._pump(utt)
 
     async def _voice_then_start(self, utt: Utterance, data: bytes, transcript) -> None:
         try:
             voice, _ = await self.services.create_voice(data, transcript)
-        except ConfigError as exc:
+        except Exception as exc:
+            if not isinstance(exc, ConfigError):
+                log.exception("inline voice encoding failed")
             if utt.state is State.RUNNING:
                 self._end(utt, State.FAILED)
-                self.send_error(getattr(exc, "code", "bad_request"), str(exc), utt.id)
+                code = (
+                    getattr(exc, "code", "bad_request")
+                    if isinstance(exc, ConfigError)
+                    else "internal"
+                )
+                self.send_error(
+                    code,
+                    str(exc) if isinstance(exc, ConfigError) else "voice encoding failed",
+                    utt.id,
+                )
             return
         if utt.state is not State.RUNNING:
             return  # cancelled while the voice was encoding
@@ -334,9 +372,8 @@ class Session:
                 seg.request_id, seg.text, utt.voice, utt.params, self._sink(seg.request_id)
             )
             future.add_done_callback(lambda f, rid=seg.request_id: self._submitted(f, rid))
-        for data, chunk in utt.next_audio():
-            start = round(chunk.start_frame * 40)
-            self._queue_audio(utt, data, False, start, round(chunk.end_frame * 40))
+        for data, start_frame, end_frame in utt.next_audio():
+            self._queue_audio(utt, data, False, start_frame * 40, end_frame * 40)
             if utt.state is not State.RUNNING:
                 return
         if utt.complete:
@@ -419,34 +456,3 @@ def _text(message: dict, max_chars: int) -> str:
             "text_too_long", f"'text' is {len(text)} characters; the limit is {max_chars}", uid
         )
     return text
-
-
-def _params(message: dict, uid: str) -> tuple[SamplingParams, OutputFormat]:
-    raw = message.get("params") or {}
-    if not isinstance(raw, dict):
-        raise ProtocolError("bad_parameter", "'params' must be an object", uid)
-    raw = dict(raw)
-    try:
-        max_s = raw.pop("max_duration_s", None)
-        if max_s is not None:
-            if not isinstance(max_s, (int, float)) or not 0 < max_s <= 81.6:
-                raise ConfigError(f"max_duration_s must be in (0, 81.6], got {max_s!r}")
-            raw["max_rows"] = min(2048, math.ceil(max_s * 25) + 8)
-        params = SamplingParams.from_dict(raw)
-        fmt = OutputFormat.parse(message.get("output"))
-    except (ConfigError, ValueError, TypeError) as exc:
-        raise ProtocolError("bad_parameter", str(exc), uid) from exc
-    return params, fmt
-
-
-def _b64(value, field: str, max_bytes: int, uid: str | None = None) -> bytes:
-    if not isinstance(value, str) or not value:
-        raise ProtocolError("bad_request", f"'{field}' must be a non-empty base64 string", uid)
-    if len(value) * 3 // 4 > max_bytes:
-        raise ProtocolError(
-            "message_too_large", f"reference audio is limited to {max_bytes} bytes", uid
-        )
-    try:
-        return base64.b64decode(value, validate=True)
-    except (binascii.Error, ValueError) as exc:
-        raise ProtocolError("bad_request", f"'{field}' is not valid base64", uid) from exc

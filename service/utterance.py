@@ -34,6 +34,7 @@ class Segment:
     chunks: deque[AudioChunk] = field(default_factory=deque)
     finished: bool = False
     reason: str | None = None
+    frames: int = 0  # audio frames this segment produced so far
 
 
 @dataclass
@@ -81,6 +82,7 @@ class Utterance:
         self.ready = True  # False while an inline reference voice is being encoded
         self.segments: list[Segment] = []
         self.emit_index = 0
+        self.frames_done = 0  # frames of the segments already heard
         self.seq = 0
         self.buffered_bytes = 0  # queued for the socket, not yet sent
         self.stats = Stats()
@@ -101,17 +103,22 @@ class Utterance:
     def active_request_ids(self) -> list[str]:
         return [s.request_id for s in self.segments if s.request_id and not s.finished]
 
-    def next_audio(self) -> list[tuple[bytes, AudioChunk]]:
-        """Encoded audio that may go out now, in order: chunks of the segment being heard."""
+    def next_audio(self) -> list[tuple[bytes, int, int]]:
+        """Encoded audio that may go out now, in order: (bytes, start frame, end frame) of the
+        segment being heard, frames counted from the start of the utterance."""
         out = []
         while self.emit_index < len(self.segments):
             seg = self.segments[self.emit_index]
             while seg.chunks:
                 chunk = seg.chunks.popleft()
+                seg.frames = chunk.end_frame
                 if chunk.pcm:
-                    out.append((self.encoder.encode(chunk.pcm), chunk))
+                    offset = self.frames_done
+                    data = self.encoder.encode(chunk.pcm)
+                    out.append((data, offset + chunk.start_frame, offset + chunk.end_frame))
             if not seg.finished:
                 break
+            self.frames_done += seg.frames
             self.emit_index += 1
         return out
 

@@ -69,7 +69,10 @@ class EngineWorker:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self._drain(block=not self.engine.has_unfinished())
+            try:
+                self._drain(block=not self.engine.has_unfinished())
+            except Exception:  # a bug in a command: report it, keep the engine thread alive
+                log.exception("engine command failed")
             if not self.engine.has_unfinished():
                 continue
             t0 = time.perf_counter()
@@ -84,7 +87,10 @@ class EngineWorker:
                 if out.finished:
                     self._sinks.pop(out.request_id, None)
                 if sink is not None:
-                    sink(out)
+                    try:
+                        sink(out)
+                    except Exception:
+                        log.exception("delivering an output failed")
             stats = self.engine.stats
             self.num_waiting, self.num_running = stats.num_waiting, stats.num_running
             if self._on_step is not None:
@@ -104,6 +110,8 @@ class EngineWorker:
 
     def _apply(self, command) -> None:
         if isinstance(command, _Add):
+            if not command.done.set_running_or_notify_cancel():
+                return  # the caller stopped waiting (client gone): never start it
             try:
                 self.engine.add_request(
                     command.request_id,

@@ -10,6 +10,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 BOOKKEEPING = [
+    "engine.streaming",
+    "engine.codec.voice_cache",
     "engine.config",
     "engine.prompt",
     "engine.request",
@@ -31,6 +33,12 @@ def _imports(package: str):
 def test_engine_and_kernels_never_import_upward():
     bad = [(p, m) for p, m in _imports("engine") if m.split(".")[0] == "service"]
     bad += [(p, m) for p, m in _imports("kernels") if m.split(".")[0] in ("service", "engine")]
+    assert not bad, bad
+
+
+def test_service_does_not_use_torch_directly():
+    heavy = ("torch", "torchaudio", "triton")
+    bad = [(p, m) for p, m in _imports("service") if m.split(".")[0] in heavy]
     assert not bad, bad
 
 

@@ -99,8 +99,11 @@ def test_codec_failure_ends_only_that_request(engine, monkeypatch):
 
     def poisoned(codes):
         audio = original(codes)
-        bad = (codes[:, 0, -1] == codes[:, 0, -1]) & (torch.arange(len(codes)) == 0)
-        return torch.where(bad[:, None, None], torch.nan, audio)  # first window of each batch
+        if len(codes) < 2:
+            return audio
+        # The first window of a shared batch: the victim's (it was added first).
+        bad = torch.arange(len(codes)) == 0
+        return torch.where(bad[:, None, None], torch.nan, audio)
 
     monkeypatch.setattr(decoder, "forward", poisoned)
     engine.add_request("victim", "one", params=SamplingParams(seed=1, max_rows=40))
@@ -133,3 +136,25 @@ def test_engine_without_codec_rejects_audio_requests(tiny_ckpt):
         engine.add_request("a", "text", audio=True)
     engine.add_request("b", "text", params=SamplingParams(max_rows=2))  # codes only by default
     assert len(engine.generate(["x"], params=SamplingParams(max_rows=2))[0].rows) == 2
+
+
+def test_a_failed_last_chunk_ends_the_request_with_error(engine, monkeypatch):
+    from engine.codec.chunk_decoder import DecodedChunk
+
+    original = engine.codec.chunks.decode
+
+    def failing_last(windows):
+        return [
+            DecodedChunk(d.window, b"", "injected") if d.window.is_last else d
+            for d in original(windows)
+        ]
+
+    monkeypatch.setattr(engine.codec.chunks, "decode", failing_last)
+    [result] = engine.generate(["tail fails"], params=SamplingParams(seed=1, max_rows=20))
+    assert result.finish_reason == "error"
+
+
+def test_generate_is_all_or_nothing(engine):
+    with pytest.raises(ConfigError):
+        engine.generate(["fine", "   "], params=SamplingParams(max_rows=2))
+    assert not engine.has_unfinished()
