@@ -101,7 +101,13 @@ def say(args: argparse.Namespace) -> int:
         print(f"error: cannot read --reference: {exc}", file=sys.stderr)
         return 2
     params = {
-        k: v for k, v in (("seed", args.seed), ("temperature", args.temperature)) if v is not None
+        k: v
+        for k, v in (
+            ("seed", args.seed),
+            ("temperature", args.temperature),
+            ("max_duration_s", args.max_duration),
+        )
+        if v is not None
     }
     sounddevice = _import_sounddevice() if args.play else None
     if args.play and sounddevice is None:
@@ -160,6 +166,7 @@ def add_say_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--transcript", help="what the --reference recording says")
     p.add_argument("--seed", type=int)
     p.add_argument("--temperature", type=float)
+    p.add_argument("--max-duration", type=float, help="seconds of audio at most per sentence")
     sink = p.add_mutually_exclusive_group()
     sink.add_argument("--out", help=f"WAV file to write as audio arrives (default {DEFAULT_OUT})")
     sink.add_argument("--play", action="store_true", help="play to the speakers (sounddevice)")

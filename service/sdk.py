@@ -40,6 +40,7 @@ DEFAULT_URL = "ws://127.0.0.1:8737/v1/stream"
 _CLOSE_CODES = {
     1009: "message_too_large",
     1011: "server_error",
+    1012: "server_restarting",
     4401: "unauthorized",
     4403: "forbidden_origin",
     4408: "idle_timeout",

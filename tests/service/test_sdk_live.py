@@ -1,0 +1,110 @@
+"""The SDK (async and sync) and `clonecast say` against the real server."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import wave
+from pathlib import Path
+
+import pytest
+
+from service.sdk import AsyncClient, Client, ClonecastError
+from tests.service.conftest import reference_audio, run
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_async_client_voice_speak_cancel_and_wav(server, tmp_path):
+    async def go():
+        client = await AsyncClient.connect(server.ws)
+        async with client:
+            assert client.model_untrained is True
+            voice = await client.create_voice(reference_audio(2.0), "a reference")
+            utt = client.speak(
+                "Hello from the SDK.", voice_id=voice, params={"seed": 1, "max_duration_s": 1.2}
+            )
+            chunks = [c async for c in utt]
+            assert chunks[0].seq == 0 and len(chunks[0].data) == 15360
+            assert sum(len(c.data) for c in chunks) == 30 * 1920 and chunks[-1].last
+            assert utt.done["reason"] == "length" and utt.done["stats"]["chunks"] == 2
+            long = client.speak(
+                "A long one to cut short.", params={"seed": 2, "max_duration_s": 20}
+            )
+            first = await long.__anext__()
+            assert first.data
+            await long.cancel()
+            assert [c async for c in long] == []
+            path = tmp_path / "sdk.wav"
+            await client.speak("Into a file.", params={"seed": 3, "max_duration_s": 0.6}).write_wav(
+                path
+            )
+            with wave.open(str(path)) as w:
+                assert (w.getframerate(), w.getnchannels(), w.getnframes()) == (24000, 1, 15 * 960)
+            with pytest.raises(ClonecastError) as err:
+                await client.speak("x", voice_id="v_missing").collect()
+            assert err.value.code == "unknown_voice"
+
+    run(go())
+
+
+def test_sync_client_streams_concurrently_and_incrementally(server):
+    with Client.connect(server.ws) as client:
+        a = client.speak("First.", params={"seed": 4, "max_duration_s": 0.5})
+        b = client.speak("Second.", params={"seed": 5, "max_duration_s": 0.5})
+        assert len(a.collect()) == 13 * 1920 and len(b.collect()) == 13 * 1920
+        stream = client.open_stream(params={"seed": 6, "max_duration_s": 0.4})
+        stream.append("One sentence. ")
+        stream.append("And another")
+        stream.flush()
+        audio = stream.collect()
+        assert len(audio) == 2 * 10 * 1920 and stream.done["stats"]["segments"] == 2
+
+
+def test_say_cli_writes_a_wav(server, tmp_path):
+    ref = tmp_path / "ref.wav"
+    ref.write_bytes(reference_audio(2.0))
+    out = tmp_path / "say.wav"
+    cmd = [
+        sys.executable,
+        "-m",
+        "service.cli",
+        "say",
+        "--url",
+        server.ws,
+        "--reference",
+        str(ref),
+        "--transcript",
+        "a reference",
+        "--text",
+        "Hello from the command line.",
+        "--seed",
+        "7",
+        "--max-duration",
+        "0.8",
+        "--out",
+        str(out),
+    ]
+    result = subprocess.run(
+        cmd, cwd=ROOT, env=dict(os.environ), capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    with wave.open(str(out)) as w:
+        assert w.getnframes() == 20 * 960
+    unknown = [
+        sys.executable,
+        "-m",
+        "service.cli",
+        "say",
+        "--url",
+        server.ws,
+        "--voice-id",
+        "v_nope",
+        "--text",
+        "x",
+        "--out",
+        str(tmp_path / "x.wav"),
+    ]
+    bad = subprocess.run(unknown, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 1 and "unknown_voice" in bad.stderr
