@@ -418,10 +418,15 @@ def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def _auto_num_blocks(config: EngineConfig, model, device: torch.device) -> int:
+    """On CUDA, a fraction of free memory, but never more than every sequence at full length
+    four times over (room for the prefix cache): a small model must not get millions of
+    blocks. On the CPU, every sequence at full length once."""
     cfg = model.config
     elem = model.embed_tokens.weight.element_size()
     block_bytes = cfg.num_layers * 2 * config.block_size * cfg.num_kv_heads * cfg.head_dim * elem
+    full = config.max_num_seqs * config.max_blocks_per_seq
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        return max(2, int(free * config.kv_cache_memory_fraction) // block_bytes)
-    return 1 + config.max_num_seqs * config.max_blocks_per_seq
+        fits = int(free * config.kv_cache_memory_fraction) // block_bytes
+        return max(2, min(fits, 4 * full + 1))
+    return 1 + full
