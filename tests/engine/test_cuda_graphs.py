@@ -160,3 +160,31 @@ def test_every_replay_equals_its_eager_twin_and_rows_match_eager_engine(tiny_ckp
     assert checked["decode"] > 5 and checked["mixed"] > 0
     report = graphed.capture_reports[0]
     assert report.num_graphs == len(runner.graphs.mixed) + len(runner.graphs.decode) > 0
+
+
+@pytest.mark.cuda
+def test_a_warmed_decode_step_makes_no_implicit_host_sync(tiny_ckpt):
+    """Inside `step()` the only wait is the designated, explicit one for the sampled rows;
+    no tensor operation may synchronise implicitly (`.item()`, pageable copies, nonzero...)."""
+    cfg = EngineConfig(
+        device="cuda",
+        dtype="bfloat16",
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        num_kv_blocks=256,
+        max_model_len=1024,
+    )
+    engine = Engine.from_pretrained(tiny_ckpt, cfg)
+    for i in range(8):
+        engine.add_request(
+            f"s{i}", f"warm {i}", params=SamplingParams(seed=i, max_rows=60), audio=False
+        )
+    for _ in range(10):  # prefill and warm-up: every request is decoding afterwards
+        engine.step()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(5):
+            outputs = engine.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert len(outputs) == 8
