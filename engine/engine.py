@@ -12,7 +12,7 @@ import logging
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -90,6 +90,9 @@ class EngineStats:
     num_preemptions: int
     num_voice_encodes: int = 0
     num_voice_cache_hits: int = 0
+    num_steps: int = 0
+    num_rows_generated: int = 0
+    step_seconds_total: float = 0.0  # host wall time inside step(), GPU waits included
 
 
 @dataclass
@@ -98,7 +101,6 @@ class _Counters:
     rows: int = 0
     steps: int = 0
     seconds: float = 0.0
-    extra: dict = field(default_factory=dict)
 
 
 class Engine:
@@ -391,6 +393,9 @@ class Engine:
             num_preemptions=self._counters.preemptions,
             num_voice_encodes=self.codec.encoder.num_encodes if self.codec else 0,
             num_voice_cache_hits=self.codec.voices.stats.hits if self.codec else 0,
+            num_steps=self._counters.steps,
+            num_rows_generated=self._counters.rows,
+            step_seconds_total=self._counters.seconds,
         )
 
 
