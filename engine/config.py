@@ -61,6 +61,11 @@ class ModelConfig:
                 f"vocab_size={CODEBOOK_SIZE}, got {self.num_codebooks} x {self.codebook_size}"
             )
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V one token occupies over all layers at 2 bytes per element."""
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * 2
+
     @classmethod
     def from_checkpoint_config(cls, config: dict[str, Any]) -> ModelConfig:
         """Builds the shape from a Higgs v3 config.json dict; missing fields are errors."""
