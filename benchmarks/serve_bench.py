@@ -226,17 +226,19 @@ async def create_voice(url: str, audio: bytes) -> str:
 
 
 def bench_server(args, eager: bool, out: Path) -> dict:
+    """Every concurrency, `--starts` times; with `--fresh-server` each start gets its own
+    server process (independent starts), otherwise one server serves them all."""
     port = args.port + (1 if eager else 0)
-    proc = start_server(
-        args.model, port, eager, args.max_num_seqs, out / f"server{'-eager' if eager else ''}.log"
-    )
+    log = out / f"server{'-eager' if eager else ''}.log"
     url = f"ws://127.0.0.1:{port}/v1/stream"
-    results = {}
+    runs: dict[int, list] = {int(c): [] for c in args.concurrency.split(",")}
+    server = None
     try:
-        voice = asyncio.run(create_voice(url, reference_wav(args.reference_s)))
-        for c in (int(x) for x in args.concurrency.split(",")):
-            starts = []
-            for s in range(args.starts):
+        for s in range(args.starts):
+            if server is None:
+                server = start_server(args.model, port, eager, args.max_num_seqs, log)
+                voice = asyncio.run(create_voice(url, reference_wav(args.reference_s)))
+            for c, starts in runs.items():
                 s0, n0 = step_stats(port)
                 warmup = args.warmup if args.warmup >= 0 else c
                 timed = args.requests if args.requests > 0 else max(16, 2 * c)
@@ -245,15 +247,25 @@ def bench_server(args, eager: bool, out: Path) -> dict:
                 summary = summarise(recs)
                 summary["step_ms"] = (s1 - s0) / max(1, n1 - n0) * 1e3
                 starts.append((summary, recs))
-            pool = summarise(
-                [r for _, recs in starts for r in recs], wall=sum(s["wall_s"] for s, _ in starts)
-            )
-            pool["step_ms"] = statistics.fmean(s["step_ms"] for s, _ in starts)
-            results[c] = [s for s, _ in starts] + [pool]
+            if args.fresh_server:
+                _stop(server)
+                server = None
     finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+        if server is not None:
+            _stop(server)
+    results = {}
+    for c, starts in runs.items():
+        pool = summarise(
+            [r for _, recs in starts for r in recs], wall=sum(s["wall_s"] for s, _ in starts)
+        )
+        pool["step_ms"] = statistics.fmean(s["step_ms"] for s, _ in starts)
+        results[c] = [s for s, _ in starts] + [pool]
     return results
+
+
+def _stop(proc) -> None:
+    proc.terminate()
+    proc.wait(timeout=60)
 
 
 def main() -> None:
@@ -270,6 +282,7 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--port", type=int, default=8790)
     ap.add_argument("--eager", action="store_true", help="also run without CUDA graphs")
+    ap.add_argument("--fresh-server", action="store_true", help="a new server process per start")
     ap.add_argument("--out", default=os.environ.get("OUT", "out/bench"))
     args = ap.parse_args()
     out = Path(args.out)
