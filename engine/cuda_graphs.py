@@ -12,8 +12,10 @@ performance flag.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -55,6 +57,29 @@ class CaptureReport:
     shapes: list = field(default_factory=list)
 
 
+@contextlib.contextmanager
+def measured_capture(family: str) -> Iterator[CaptureReport]:
+    """Times a capture and measures its allocated/reserved memory deltas into a report (the
+    caller fills `num_graphs` and `shapes`); logs it at the end."""
+    report = CaptureReport(family)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    alloc0, reserved0 = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    yield report
+    torch.cuda.synchronize()
+    report.seconds = time.perf_counter() - start
+    report.allocated_bytes = torch.cuda.memory_allocated() - alloc0
+    report.reserved_bytes = torch.cuda.memory_reserved() - reserved0
+    log.info(
+        "captured %d %s graphs in %.2f s (+%.1f MiB allocated, +%.1f MiB reserved)",
+        report.num_graphs,
+        family,
+        report.seconds,
+        report.allocated_bytes / 2**20,
+        report.reserved_bytes / 2**20,
+    )
+
+
 class CudaGraphs:
     """Decode-only graphs for buckets up to max_num_seqs, mixed graphs for every bucket."""
 
@@ -67,7 +92,7 @@ class CudaGraphs:
         self.decode: dict[int, CapturedGraph] = {}
         self.mixed: dict[int, CapturedGraph] = {}
         self.pool = torch.cuda.graph_pool_handle()
-        self.report = CaptureReport("backbone")
+        self.report: CaptureReport | None = None
 
     def lookup(self, num_tokens: int, decode_only: bool) -> CapturedGraph | None:
         """The smallest captured bucket that holds the step; None means run eagerly."""
@@ -79,31 +104,19 @@ class CudaGraphs:
 
     @torch.inference_mode()
     def capture(self) -> CaptureReport:
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        alloc0, reserved0 = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
-        for bucket in sorted(self.buckets, reverse=True):  # large first: small ones reuse memory
-            bound = capture_query_bound(bucket, False, self.query_bound)
-            self.mixed[bucket] = self._capture_one(bucket, bound, self._spread(bucket))
-        for bucket in sorted(self.decode_buckets, reverse=True):
-            self.decode[bucket] = self._capture_one(
-                bucket, capture_query_bound(bucket, True), [1] * bucket
-            )
-        torch.cuda.synchronize()
-        r = self.report
-        r.num_graphs = len(self.mixed) + len(self.decode)
-        r.seconds = time.perf_counter() - start
-        r.allocated_bytes = torch.cuda.memory_allocated() - alloc0
-        r.reserved_bytes = torch.cuda.memory_reserved() - reserved0
-        r.shapes = [("mixed", b) for b in self.mixed] + [("decode", b) for b in self.decode]
-        log.info(
-            "captured %d backbone graphs in %.2f s (+%.1f MiB allocated, +%.1f MiB reserved)",
-            r.num_graphs,
-            r.seconds,
-            r.allocated_bytes / 2**20,
-            r.reserved_bytes / 2**20,
-        )
-        return r
+        with measured_capture("backbone") as report:
+            for bucket in sorted(self.buckets, reverse=True):  # large first: small ones reuse
+                bound = capture_query_bound(bucket, False, self.query_bound)
+                self.mixed[bucket] = self._capture_one(bucket, bound, self._spread(bucket))
+            for bucket in sorted(self.decode_buckets, reverse=True):
+                bound = capture_query_bound(bucket, True)
+                self.decode[bucket] = self._capture_one(bucket, bound, [1] * bucket)
+            report.num_graphs = len(self.mixed) + len(self.decode)
+            report.shapes = [("mixed", b) for b in self.mixed] + [
+                ("decode", b) for b in self.decode
+            ]
+        self.report = report
+        return report
 
     def _spread(self, bucket: int) -> list[int]:
         """The dummy batch: the bucket's tokens spread evenly over as many sequences as fit."""

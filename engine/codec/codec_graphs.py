@@ -5,15 +5,10 @@ Captured once at start-up; any other shape runs eagerly."""
 
 from __future__ import annotations
 
-import logging
-import time
-
 import torch
 
 from engine.codec.decoder import CodecDecoder
-from engine.cuda_graphs import CaptureReport
-
-log = logging.getLogger("clonecast.codec_graphs")
+from engine.cuda_graphs import CaptureReport, measured_capture
 
 
 class CodecGraphs:
@@ -32,38 +27,25 @@ class CodecGraphs:
         self.graphs: dict[
             tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]
         ] = {}
-        self.report = CaptureReport("codec")
+        self.report: CaptureReport | None = None
 
     @torch.inference_mode()
     def capture(self) -> CaptureReport:
         device = self.decoder.codebooks.device
         pool = torch.cuda.graph_pool_handle()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        alloc0, reserved0 = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
-        for b, t in self.shapes:
-            codes = torch.zeros(b, 8, t, dtype=torch.long, device=device)
-            for _ in range(2):
-                self.decoder(codes)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                audio = self.decoder(codes)
-            self.graphs[(b, t)] = (graph, codes, audio)
-        torch.cuda.synchronize()
-        r = self.report
-        r.num_graphs, r.seconds = len(self.graphs), time.perf_counter() - start
-        r.allocated_bytes = torch.cuda.memory_allocated() - alloc0
-        r.reserved_bytes = torch.cuda.memory_reserved() - reserved0
-        r.shapes = list(self.graphs)
-        log.info(
-            "captured %d codec graphs in %.2f s (+%.1f MiB allocated, +%.1f MiB reserved)",
-            r.num_graphs,
-            r.seconds,
-            r.allocated_bytes / 2**20,
-            r.reserved_bytes / 2**20,
-        )
-        return r
+        with measured_capture("codec") as report:
+            for b, t in self.shapes:
+                codes = torch.zeros(b, 8, t, dtype=torch.long, device=device)
+                for _ in range(2):
+                    self.decoder(codes)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    audio = self.decoder(codes)
+                self.graphs[(b, t)] = (graph, codes, audio)
+            report.num_graphs, report.shapes = len(self.graphs), list(self.graphs)
+        self.report = report
+        return report
 
     def run(self, codes: torch.Tensor) -> torch.Tensor | None:
         """Replays the graph of this exact shape (`[B, 8, T]`); None when there is none. The

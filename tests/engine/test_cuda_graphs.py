@@ -188,3 +188,23 @@ def test_a_warmed_decode_step_makes_no_implicit_host_sync(tiny_ckpt):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert len(outputs) == 8
+
+
+def test_measured_capture_reports_time_and_memory_deltas(monkeypatch):
+    """The capture report (exported as Prometheus gauges) on the CPU, with CUDA's memory
+    counters stubbed: deltas are end minus start, the count and shapes come from the caller."""
+    from engine import cuda_graphs
+
+    readings = iter([100, 1000, 160, 900])  # allocated, reserved at start; then at the end
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: next(readings))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda: next(readings))
+    with cuda_graphs.measured_capture("codec") as report:
+        report.num_graphs, report.shapes = 2, [(1, 8), (1, 33)]
+    assert (report.family, report.num_graphs, report.allocated_bytes, report.reserved_bytes) == (
+        "codec",
+        2,
+        60,
+        -100,
+    )
+    assert report.seconds >= 0
