@@ -162,6 +162,9 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto: triton on CUDA, torch on the CPU
     fused_kernels: bool = True  # Triton norm/RoPE/SiLU kernels on CUDA; False: plain torch
     cuda_graphs: bool = True  # FULL backbone graphs (CUDA with the Triton backend); False: eager
+    # The host schedules and launches step N+1 before it reads step N's rows (one step in
+    # flight); False: each step's rows are read before the next step is scheduled.
+    async_scheduling: bool = True
     codec_dtype: str = "float32"
     stream: StreamConfig = StreamConfig()
     voice_cache_bytes: int = 64 * 1024 * 1024

@@ -135,3 +135,46 @@ class CudaGraphs:
         with torch.cuda.graph(graph, pool=self.pool):
             hidden = runner.forward(bucket, num_seqs, bound, max_len)
         return CapturedGraph(graph, bucket, num_seqs, bound, hidden)
+
+
+@dataclass
+class CapturedSampler:
+    graph: torch.cuda.CUDAGraph
+    rows: int
+    packed: torch.Tensor  # static output [rows, 9]: 8 codes and the done flag
+
+    def replay(self) -> torch.Tensor:
+        self.graph.replay()
+        return self.packed
+
+
+class SamplerGraphs:
+    """One graph per sampler row bucket: audio head, masks, sampling and the state update.
+    Captured with every row pointing at the runner's padding slot, so capture changes no
+    live state; replays read the runtime sample slots and hidden rows."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.graphs: dict[int, CapturedSampler] = {}
+        self.report: CaptureReport | None = None
+
+    def get(self, rows: int) -> CapturedSampler | None:
+        return self.graphs.get(rows)
+
+    @torch.inference_mode()
+    def capture(self, pool=None) -> CaptureReport:
+        runner = self.runner
+        with measured_capture("sampler") as report:
+            for rows in sorted(runner.sample_buckets, reverse=True):
+                runner.load_dummy_samples(rows)
+                for _ in range(2):
+                    runner.sample(rows)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    packed = runner.sample(rows)
+                self.graphs[rows] = CapturedSampler(graph, rows, packed)
+            runner.delay.reset(runner.pad_slot)
+            report.num_graphs, report.shapes = len(self.graphs), list(self.graphs)
+        self.report = report
+        return report

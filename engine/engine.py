@@ -24,11 +24,11 @@ from engine.codec.audio_io import AudioLimits
 from engine.codec.codec import Codec
 from engine.codec.codec_graphs import CodecGraphs
 from engine.config import ConfigError, EngineConfig, SamplingParams, VoiceReference
-from engine.cuda_graphs import CudaGraphs
+from engine.cuda_graphs import CudaGraphs, SamplerGraphs
 from engine.loader import load_model, resolve_checkpoint
 from engine.prompt import AudioRow, build_prompt
 from engine.request import FinishReason, Request
-from engine.runner import ModelRunner
+from engine.runner import ModelRunner, PendingStep
 from engine.scheduler import Scheduler
 from engine.streaming import AudioStream, ChunkWindow
 from engine.tokenizer import HiggsTokenizer
@@ -149,14 +149,19 @@ class Engine:
         self.audio_limits = AudioLimits()
         self._streams: dict[str, AudioStream] = {}
         self._counters = _Counters()
+        self._in_flight: PendingStep | None = None
         if is_default:
             log.warning(UNTRAINED_NOTICE)
 
     def _capture_graphs(self, backend: str) -> None:
-        """Backbone graphs (Triton attention only) and codec graphs, before any request."""
+        """Backbone graphs (Triton attention only), sampler graphs and codec graphs, before
+        any request."""
         if backend == "triton":
             self.runner.graphs = CudaGraphs(self.runner)
             self.capture_reports.append(self.runner.graphs.capture())
+        self.runner.sampler_graphs = SamplerGraphs(self.runner)
+        pool = self.runner.graphs.pool if self.runner.graphs is not None else None
+        self.capture_reports.append(self.runner.sampler_graphs.capture(pool))
         if self.codec is not None:
             stream = self.config.stream
             window = stream.left_context_frames + stream.chunk_frames + stream.holdback_frames
@@ -249,7 +254,10 @@ class Engine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        pending = self._in_flight
+        if pending is not None and all(r.is_finished for r in pending.requests):
+            self._in_flight = pending = None  # nothing left to read from it
+        return self.scheduler.has_unfinished() or pending is not None
 
     def rows(self, request_id: str) -> list[AudioRow]:
         """Rows generated so far by an unfinished request."""
@@ -258,28 +266,46 @@ class Engine:
     # -- the step ----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """Schedules and launches one step, then reads the rows of the step launched before
+        it (with `async_scheduling`; otherwise of this step) and returns their events. The GPU
+        runs step N while the host reads step N-1 and prepares step N+1: a request's finish is
+        seen one step late, and a finishing request may compute one row that is dropped."""
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         self._counters.preemptions += len(sched.preempted)
-        if not sched.chunks:
-            return []
-        for chunk in sched.chunks:
-            if not self.runner.has_request(chunk.request):  # newly admitted: takes its slot
-                self.runner.add_request(chunk.request)
-        sampled = self.runner.execute(sched)
-        for chunk in sched.chunks:
-            self.scheduler.on_chunk_done(chunk)
-        updates = self._append_rows(sampled)
-        audio = self._decode_audio(updates)
-        outputs = [self._output(request, row, reason, audio) for request, row, reason in updates]
-        self._counters.steps += 1
+        launched = None
+        if sched.chunks:
+            for chunk in sched.chunks:
+                if not self.runner.has_request(chunk.request):  # newly admitted: takes its slot
+                    self.runner.add_request(chunk.request)
+            launched = self.runner.launch(sched)
+            for chunk in sched.chunks:
+                self.scheduler.on_chunk_done(chunk)
+            for request in launched.requests:
+                request.num_inflight += 1
+            self._counters.steps += 1
+        if not self.config.async_scheduling:
+            self._in_flight, launched = launched, None
+        outputs = self._complete(self._in_flight) if self._in_flight is not None else []
+        self._in_flight = launched
         self._counters.seconds += time.perf_counter() - t0
         return outputs
+
+    def _complete(self, pending: PendingStep) -> list[RequestOutput]:
+        """Reads a launched step's rows (waits for them) and turns them into events."""
+        sampled = pending.result()
+        for request in sampled.requests:
+            request.num_inflight -= 1
+        updates = self._append_rows(sampled)
+        audio = self._decode_audio(updates)
+        return [self._output(request, row, reason, audio) for request, row, reason in updates]
 
     def _append_rows(self, sampled) -> list[tuple[Request, AudioRow, FinishReason | None]]:
         updates = []
         now = time.monotonic()
         for request, codes, done in zip(sampled.requests, sampled.codes, sampled.done, strict=True):
+            if request.is_finished:
+                continue  # ended (finished, aborted) while this row was in flight: dropped
             row = tuple(int(c) for c in codes)
             request.output_rows.append(row)
             if request.first_row_time is None:
@@ -290,7 +316,7 @@ class Engine:
             elif len(request.output_rows) >= request.params.max_rows:
                 reason = FinishReason.LENGTH
             updates.append((request, row, reason))
-        self._counters.rows += len(sampled.requests)
+        self._counters.rows += len(updates)
         return updates
 
     def _decode_audio(self, updates) -> dict[str, AudioChunk]:

@@ -44,11 +44,17 @@ class Request:
     num_cached_tokens: int = 0  # prompt positions taken from the prefix cache
     num_preemptions: int = 0
     first_row_time: float | None = None
+    num_inflight: int = 0  # rows sampled by a launched step and not read back yet (0 or 1)
+
+    @property
+    def num_rows(self) -> int:
+        """Rows sampled so far, the one still in flight included."""
+        return len(self.output_rows) + self.num_inflight
 
     @property
     def num_positions(self) -> int:
         """Every input position: the prompt, then each generated row fed back as input."""
-        return len(self.prompt) + len(self.output_rows)
+        return len(self.prompt) + self.num_rows
 
     @property
     def num_pending(self) -> int:

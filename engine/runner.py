@@ -2,9 +2,15 @@
 finishing request.
 
 Owns the device: model, KV cache, persistent input buffers (allocated once, sliced per step),
-the slot-indexed delay state and sampler. Per step it fills one host staging buffer, makes one
-host-to-device copy, runs the forward and the sampler, and makes the one designated
-device-to-host copy of the sampled rows. Knows requests only through the scheduler's chunks.
+the slot-indexed delay state and sampler. Per step it fills a host staging buffer, makes one
+host-to-device copy, runs the forward and the sampler, and queues the one device-to-host copy
+of the sampled rows; `launch()` returns without waiting, and the step's `result()` is the one
+designated wait. Two staging and two result buffers alternate, so the host can fill step N+1
+while the GPU still runs step N. Knows requests only through the scheduler's chunks.
+
+Sampled rows are padded to a bucket of rows (`sample_bucket`); padding rows read hidden row 0
+and sample for a reserved slot past the real ones, so the sampler (eager or a CUDA graph per
+bucket) never touches a live request's state.
 """
 
 from __future__ import annotations
@@ -31,6 +37,32 @@ class SampledRows:
     requests: list[Request]
     codes: np.ndarray  # [R, 8] int64
     done: np.ndarray  # [R] bool
+
+
+class PendingStep:
+    """A launched step. `result()` waits for its rows (the step's one designated wait: an
+    event, not a device or stream synchronisation) and reads them from pinned memory."""
+
+    def __init__(self, requests: list[Request], out: torch.Tensor | None, event):
+        self.requests = requests
+        self._out = out
+        self._event = event
+
+    def result(self) -> SampledRows:
+        if self._out is None:
+            return SampledRows([], np.zeros((0, NUM_CODEBOOKS), np.int64), np.zeros(0, bool))
+        if self._event is not None:
+            self._event.synchronize()
+        arr = self._out.numpy()
+        return SampledRows(
+            self.requests, arr[:, :NUM_CODEBOOKS].copy(), arr[:, NUM_CODEBOOKS].astype(bool)
+        )
+
+
+def sample_buckets(max_rows: int) -> tuple[int, ...]:
+    """Row counts the sampler runs at: 1, 2, 4, then multiples of 8, and `max_rows`."""
+    buckets = {b for b in (1, 2, 4) if b < max_rows} | set(range(8, max_rows, 8)) | {max_rows}
+    return tuple(sorted(buckets))
 
 
 class _Layout:
@@ -82,26 +114,42 @@ class ModelRunner:
         ]
         self.max_blocks = config.max_blocks_per_seq
         self.layout = _Layout(config.max_num_batched_tokens, config.max_num_seqs, self.max_blocks)
-        pin = self.device.type == "cuda"
-        self.host = torch.zeros(self.layout.total, dtype=torch.long, pin_memory=pin)
-        self.host_np = self.host.numpy()
-        self.inputs = (
-            self.host
-            if self.device.type == "cpu"
-            else torch.zeros_like(self.host, device=self.device)
+        cuda = self.device.type == "cuda"
+        # Two staging buffers and two result buffers, used by alternate steps (on the CPU the
+        # one staging buffer is the input buffer itself).
+        staging = [torch.zeros(self.layout.total, dtype=torch.long, pin_memory=cuda)]
+        self._hosts = (
+            staging * 2 if not cuda else staging + [torch.zeros_like(staging[0]).pin_memory()]
         )
-        self.out_host = torch.zeros(
-            config.max_num_seqs, NUM_CODEBOOKS + 1, dtype=torch.long, pin_memory=pin
+        self._host_nps = [h.numpy() for h in self._hosts]
+        self._outs = [
+            torch.zeros(config.max_num_seqs, NUM_CODEBOOKS + 1, dtype=torch.long, pin_memory=cuda)
+            for _ in range(2)
+        ]
+        # Recorded after each host-to-device copy: a staging buffer is refilled only after
+        # its last copy left it.
+        self._copied = [torch.cuda.Event() for _ in range(2)] if cuda else None
+        self._k = 0
+        self.inputs = staging[0] if not cuda else torch.zeros_like(staging[0], device=self.device)
+        self.pad_slot = config.max_num_seqs  # sampler state of padding rows
+        self.delay = DelayState(config.max_num_seqs + 1, self.device)
+        self.sampler = Sampler(config.max_num_seqs + 1, self.device)
+        self.sample_buckets = sample_buckets(config.max_num_seqs)
+        self.sample_hidden = torch.zeros(
+            config.max_num_seqs, cfg.hidden_size, dtype=dtype, device=self.device
         )
-        self.delay = DelayState(config.max_num_seqs, self.device)
-        self.sampler = Sampler(config.max_num_seqs, self.device)
         self._prompt_arrays: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self.graphs = None  # a CudaGraphs once captured (CUDA and the Triton backend only)
-        # Recorded after each host-to-device copy: the staging buffer is reused next step. A
-        # step that samples ends with the designated sync, which covers it; only a step without
-        # sampling (pure chunked prefill) leaves the event to be waited on.
-        self._copied = torch.cuda.Event() if self.device.type == "cuda" else None
-        self._copy_pending = False
+        self.sampler_graphs = None  # a SamplerGraphs once captured (CUDA only)
+
+    @property
+    def host(self) -> torch.Tensor:
+        """The staging buffer of the step being prepared."""
+        return self._hosts[self._k]
+
+    @property
+    def host_np(self) -> np.ndarray:
+        return self._host_nps[self._k]
 
     # -- request hooks -----------------------------------------------------------------------
 
@@ -125,8 +173,15 @@ class ModelRunner:
 
     # -- one step ----------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> SampledRows:
+        """Runs one step and waits for its rows."""
+        return self.launch(sched).result()
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput) -> PendingStep:
+        """Queues one step on the GPU (forward, sampling, state update, the copy of the rows
+        to pinned memory) and returns without waiting for it."""
+        self._next_staging_buffer()
         num_tokens, num_samples = self._prepare(sched)
         num_seqs = len(sched.chunks)
         max_query_len = max(c.num_tokens for c in sched.chunks)
@@ -143,16 +198,34 @@ class ModelRunner:
             hidden = self.forward(num_tokens, num_seqs, max_query_len, max_seq_len)
         sampling = [c.request for c in sched.chunks if c.samples]
         if not sampling:
-            self._copy_pending = self._copied is not None
-            return SampledRows([], np.zeros((0, NUM_CODEBOOKS), np.int64), np.zeros(0, bool))
-        buf, lay = self.inputs, self.layout
-        slots = lay.view(buf, "sample_slots")[:num_samples]
-        logits = self.model.audio_logits(hidden[lay.view(buf, "logits_index")[:num_samples]])
+            return PendingStep([], None, None)
+        rows = self.sample_bucket(num_samples)
+        index = self.layout.view(self.inputs, "logits_index")[:rows]
+        torch.index_select(hidden, 0, index, out=self.sample_hidden[:rows])
+        graph = self.sampler_graphs.get(rows) if self.sampler_graphs is not None else None
+        packed = graph.replay() if graph is not None else self.sample(rows)
+        out = self._outs[self._k][:rows]
+        out.copy_(packed, non_blocking=True)
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        return PendingStep(sampling, out[:num_samples], event)
+
+    def sample_bucket(self, num_rows: int) -> int:
+        return next(b for b in self.sample_buckets if b >= num_rows)
+
+    def sample(self, rows: int) -> torch.Tensor:
+        """Audio head, masks, sampling and state update for the first `rows` rows of
+        `sample_hidden` (eagerly, or while a sampler graph is captured): `[rows, 9]` int64,
+        the 8 codes and the done flag."""
+        slots = self.layout.view(self.inputs, "sample_slots")[:rows]
+        logits = self.model.audio_logits(self.sample_hidden[:rows])
         codes = self.sampler.sample(
             logits, self.delay.masks(slots), slots, self.delay.num_rows[slots]
         )
         self.delay.advance(slots, codes)
-        return self._to_host(sampling, codes, self.delay.done[slots])
+        return torch.cat([codes, self.delay.done[slots][:, None].long()], dim=1)
 
     def forward(
         self, num_tokens: int, num_seqs: int, max_query_len: int, max_seq_len: int
@@ -201,10 +274,22 @@ class ModelRunner:
         self._pad(t, padded_tokens, len(q_lens), padded_seqs)
         self._copy_inputs()
 
+    def load_dummy_samples(self, rows: int) -> None:
+        """Inputs for sampler-graph capture: every row samples for the padding slot."""
+        lay, h = self.layout, self.host_np
+        lay.view(h, "logits_index")[:rows] = 0
+        lay.view(h, "sample_slots")[:rows] = self.pad_slot
+        self._copy_inputs()
+
+    def _next_staging_buffer(self) -> None:
+        self._k ^= 1
+        if self._copied is not None:
+            self._copied[self._k].synchronize()  # its copy two steps ago has long finished
+
     def _copy_inputs(self) -> None:
         if self.inputs is not self.host:
             self.inputs.copy_(self.host, non_blocking=True)
-            self._copied.record()
+            self._copied[self._k].record()
 
     def _pad(self, num_tokens: int, padded_tokens: int, num_seqs: int, padded_seqs: int) -> None:
         """Padding rows write their K/V into the reserved block 0 and belong to no sequence;
@@ -222,9 +307,6 @@ class ModelRunner:
     def _prepare(self, sched: SchedulerOutput) -> tuple[int, int]:
         """Fills the host staging buffer for this step; returns (tokens, sampled rows)."""
         lay, h = self.layout, self.host_np
-        if self._copy_pending:
-            self._copied.synchronize()  # last step's copy has left the staging buffer
-            self._copy_pending = False
         token_ids, positions = lay.view(h, "token_ids"), lay.view(h, "positions")
         rows = lay.view(h, "audio_rows").reshape(-1, NUM_CODEBOOKS)
         feedback, slot_mapping = lay.view(h, "feedback_slot"), lay.view(h, "slot_mapping")
@@ -254,6 +336,10 @@ class ModelRunner:
                 logits_index[r] = t - 1
                 sample_slots[r] = req.slot
                 r += 1
+        if r:
+            padded = self.sample_bucket(r)
+            logits_index[r:padded] = 0
+            sample_slots[r:padded] = self.pad_slot
         return t, r
 
     def _fill_inputs(self, req: Request, start: int, end: int, ids_out, rows_out) -> None:
@@ -266,18 +352,10 @@ class ModelRunner:
         if end > p:  # generated rows fed back as inputs (decode, or recompute after preemption)
             g0 = max(start, p)
             ids_out[g0 - start :] = 0
-            rows_out[g0 - start :] = np.asarray(req.output_rows[g0 - p : end - p], dtype=np.int64)
-
-    def _to_host(
-        self, requests: list[Request], codes: torch.Tensor, done: torch.Tensor
-    ) -> SampledRows:
-        r = len(requests)
-        packed = torch.cat([codes, done[:, None].long()], dim=1)
-        out = self.out_host[:r]
-        out.copy_(packed, non_blocking=True)
-        if self.device.type == "cuda":
-            torch.cuda.current_stream().synchronize()  # the one designated sync per step
-        arr = out.numpy()
-        return SampledRows(
-            requests, arr[:, :NUM_CODEBOOKS].copy(), arr[:, NUM_CODEBOOKS].astype(bool)
-        )
+            # A row still in flight (sampled by the step before, not read yet) is the chunk's
+            # last input: it comes from the GPU-resident state (`feedback_slot`), not from here.
+            known = min(end, p + len(req.output_rows))
+            if known > g0:
+                rows_out[g0 - start : known - start] = req.output_rows[g0 - p : known - p]
+            rows_out[max(known, g0) - start :] = -1
+            assert end - max(known, g0) <= 1, "at most the last input row may be in flight"

@@ -108,6 +108,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if request.num_rows >= request.params.max_rows:
+                i += 1  # its last row is in flight: it finishes when that row is read
+                continue
             n = min(request.num_pending, budget)
             need = self.blocks.blocks_needed(request.num_computed + n) - len(request.block_ids)
             while need > self.blocks.num_free_blocks:

@@ -3,10 +3,14 @@ different requests are stacked along the batch dimension and decoded together.
 
 A failure stays with its request: if a batch raises, its members are decoded one by one and
 only those that still fail get an error; a window whose audio is not finite fails alone.
+
+On CUDA the codec runs on its own stream: its work overlaps the backbone step that the engine
+launched before decoding, and reading its audio back waits for the codec stream alone.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -30,6 +34,8 @@ class ChunkDecoder:
         self.hop = decoder.config.hop_length
         self.num_batches = 0
         self.graphs = None  # a CodecGraphs once captured (CUDA only)
+        cuda = self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(self.device) if cuda else None
 
     @torch.inference_mode()
     def decode(self, windows: list[ChunkWindow]) -> list[DecodedChunk]:
@@ -57,6 +63,11 @@ class ChunkDecoder:
             return DecodedChunk(window, b"", f"codec decode failed: {type(exc).__name__}: {exc}")
 
     def _decode_batch(self, batch: list[ChunkWindow]) -> list[DecodedChunk]:
+        on_stream = torch.cuda.stream(self.stream) if self.stream else contextlib.nullcontext()
+        with on_stream:
+            return self._decode_on_stream(batch)
+
+    def _decode_on_stream(self, batch: list[ChunkWindow]) -> list[DecodedChunk]:
         codes = torch.tensor([w.codes for w in batch], dtype=torch.long).to(self.device)
         audio = self.graphs.run(codes) if self.graphs is not None else None
         if audio is None:

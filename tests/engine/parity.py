@@ -15,13 +15,13 @@ class HiddenRecorder:
         self.steps: list[tuple[list[tuple[str, int, int]], torch.Tensor]] = []
         self._pending = None
         engine.model.register_forward_hook(self._hook)
-        original = engine.runner.execute
+        original = engine.runner.launch
 
         def execute(sched):
             self._pending = [(c.request.request_id, c.start, c.num_tokens) for c in sched.chunks]
             return original(sched)
 
-        engine.runner.execute = execute
+        engine.runner.launch = execute
 
     def _hook(self, module, args, output):
         self.steps.append((self._pending, output.detach().float().cpu()))

@@ -1,0 +1,151 @@
+"""The engine alone under the served load, without the server: a closed loop of C voice-clone
+requests (a finished one is replaced at once), output lengths from the served benchmark's
+distribution. Prints, per C: audio-s/s, steps/s, mean step time, host time inside `step()`
+and rows per step; with `--profile`, a torch.profiler table of a steady-state window and the
+GPU busy fraction of that window (kernel time / wall time), which says how much of the step
+the host or idle gaps take.
+
+    python benchmarks/engine_loop.py --model DIR [--concurrency 1,64] [--profile FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.serve_bench import TEXTS, durations, reference_wav, write_full  # noqa: E402
+
+
+def run(engine, reference, concurrency: int, warmup_s: float, timed_s: float, profile):
+    import torch
+
+    from engine import SamplingParams
+
+    lengths = iter(durations(100_000, seed=concurrency))
+    counter = iter(range(10**9))
+
+    def add() -> None:
+        i = next(counter)
+        rows = int(next(lengths) / 0.04) + 8
+        params = SamplingParams(temperature=1.0, top_k=50, top_p=0.95, seed=i, max_rows=rows)
+        engine.add_request(f"r{i}", TEXTS[i % len(TEXTS)], reference=reference, params=params)
+
+    for _ in range(concurrency):
+        add()
+    audio_s = 0.0
+    steps = rows = 0
+    inside = 0.0
+    t_start = time.perf_counter()
+    timing = False
+    prof = None
+    while True:
+        now = time.perf_counter()
+        if not timing and now - t_start >= warmup_s:
+            timing, t0 = True, now
+            steps = rows = 0
+            audio_s = inside = 0.0
+            if profile:
+                prof = torch.profiler.profile(
+                    activities=[
+                        torch.profiler.ProfilerActivity.CPU,
+                        torch.profiler.ProfilerActivity.CUDA,
+                    ]
+                )
+                prof.__enter__()
+        if timing and (now - t0 >= timed_s or (prof is not None and steps >= 30)):
+            break
+        s0 = time.perf_counter()
+        outputs = engine.step()
+        inside += time.perf_counter() - s0
+        steps += 1
+        for out in outputs:
+            rows += len(out.new_rows)
+            if out.audio is not None:
+                audio_s += out.audio.duration_s
+            if out.finished:
+                add()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    summary = None
+    if prof is not None:
+        prof.__exit__(None, None, None)
+        events = prof.key_averages()
+        kernel_us = sum(e.device_time_total for e in events if e.device_type.name == "CUDA")
+        summary = (
+            prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
+            + "\n"
+            + prof.key_averages().table(sort_by="device_time_total", row_limit=30)
+            + f"\nGPU kernel time {kernel_us / 1e3:.1f} ms over {wall * 1e3:.1f} ms wall "
+            f"({100 * kernel_us / 1e6 / wall:.0f}% busy, one stream assumed)\n"
+        )
+    for rid in list(engine.scheduler.requests):
+        engine.abort(rid)
+    while engine.has_unfinished():
+        engine.step()
+    return {
+        "C": concurrency,
+        "audio_s_per_s": audio_s / wall,
+        "steps_per_s": steps / wall,
+        "step_ms": 1e3 * wall / max(1, steps),
+        "inside_ms": 1e3 * inside / max(1, steps),
+        "rows_per_step": rows / max(1, steps),
+    }, summary
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument(
+        "--model",
+        required=True,
+        help="checkpoint dir (written first if missing); 'default': embedded",
+    )
+    ap.add_argument("--concurrency", default="1,64")
+    ap.add_argument("--warmup-s", type=float, default=6.0)
+    ap.add_argument("--timed-s", type=float, default=10.0)
+    ap.add_argument("--eager", action="store_true", help="CUDA graphs off")
+    ap.add_argument("--profile", help="write profiler tables of a 30-step window here")
+    ap.add_argument("--modes", default="async,sync", help="scheduling modes to run")
+    args = ap.parse_args()
+    model = None if args.model == "default" else args.model
+    if model is not None:
+        write_full(Path(model))
+    from engine import Engine, EngineConfig
+
+    cs = [int(c) for c in args.concurrency.split(",")]
+    config = EngineConfig(max_num_seqs=max(cs), cuda_graphs=not args.eager)
+    t = time.perf_counter()
+    engine = Engine.from_pretrained(model, config)
+    print(f"engine ready in {time.perf_counter() - t:.1f} s", flush=True)
+    reference = engine.encode_reference(reference_wav(4.0), "A reference sentence.")
+    results = []
+    for mode in args.modes.split(","):
+        engine.config = dataclasses.replace(engine.config, async_scheduling=mode == "async")
+        for c in cs:
+            res, _ = run(engine, reference, c, args.warmup_s, args.timed_s, False)
+            results.append({"mode": mode, **res})
+            print(results[-1], flush=True)
+    if args.profile:
+        engine.config = dataclasses.replace(engine.config, async_scheduling=True)
+        _, summary = run(engine, reference, max(cs), 3.0, 0.0, True)
+        Path(args.profile).write_text(summary)
+        print(summary.splitlines()[-1])
+    head = ("mode", "C", "audio-s/s", "steps/s", "step ms", "in step", "rows")
+    print("\n{:<6}{:>4}{:>11}{:>9}{:>9}{:>9}{:>7}".format(*head))
+    for r in results:
+        print(
+            f"{r['mode']:<6}{r['C']:>4}{r['audio_s_per_s']:>11.1f}{r['steps_per_s']:>9.1f}"
+            f"{r['step_ms']:>9.2f}{r['inside_ms']:>9.2f}{r['rows_per_step']:>7.1f}"
+        )
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()

@@ -1,0 +1,99 @@
+"""Asynchronous scheduling on the CPU: the host launches step N+1 before it reads step N, so a
+finish is seen one step late. Rows, finish reasons and audio must not depend on it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import Engine, EngineConfig, SamplingParams
+from engine.config import EOC
+from engine.runner import sample_buckets
+from tests.engine.test_parity import make_reference
+
+
+def _force_eos(engine: Engine) -> None:
+    """Codebook 0 emits EOC from row `10 + seed % 7` on (a property of the request alone, not
+    of the step it runs in), so requests end by EOS at different steps."""
+    sampler = engine.runner.sampler
+    original = sampler.sample
+
+    def sample(logits, forbidden, slots, row_index):
+        force = row_index >= 10 + sampler.seed[slots] % 7
+        logits = logits.clone()
+        logits[:, 0, EOC] += torch.where(force, 1e9, 0.0)
+        return original(logits, forbidden, slots, row_index)
+
+    sampler.sample = sample
+
+
+def _run(tiny_ckpt, async_scheduling: bool, num_kv_blocks: int | None = None):
+    config = EngineConfig(
+        block_size=4,
+        max_num_seqs=6,
+        max_num_batched_tokens=48,
+        num_kv_blocks=num_kv_blocks,
+        async_scheduling=async_scheduling,
+    )
+    engine = Engine.from_pretrained(tiny_ckpt, config)
+    _force_eos(engine)
+    texts, refs, params = [], [], []
+    for i in range(14):
+        texts.append(f"request {i} " * (1 + i % 4))
+        refs.append(make_reference(i, 9 + 3 * i, "ref") if i % 3 == 0 else None)
+        # Even seeds end by EOS (row 10..23); odd ones hit a max_rows below that first.
+        params.append(SamplingParams(seed=2 * i + (i % 2), max_rows=40 if i % 2 == 0 else 9))
+    results = engine.generate(texts, references=refs, params=params, audio=False)
+    return engine, results
+
+
+@pytest.mark.parametrize("num_kv_blocks", [None, 48])
+def test_async_and_sync_scheduling_give_the_same_rows(tiny_ckpt, num_kv_blocks):
+    sync_engine, sync = _run(tiny_ckpt, False, num_kv_blocks)
+    async_engine, asynchronous = _run(tiny_ckpt, True, num_kv_blocks)
+    assert [r.rows for r in asynchronous] == [r.rows for r in sync]
+    assert [r.finish_reason for r in asynchronous] == [r.finish_reason for r in sync]
+    reasons = {r.finish_reason for r in sync}
+    assert reasons == {"eos", "length"}
+    for i, r in enumerate(sync):
+        if r.finish_reason == "eos":
+            assert len(r.rows) == 10 + (2 * i) % 7 + 8  # EOC row, then the 7-row ramp
+        else:
+            assert len(r.rows) == 9
+    # Rows that finished requests computed in flight are dropped, never reported.
+    stats = async_engine.stats
+    assert stats.num_rows_generated == sum(len(r.rows) for r in asynchronous)
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks
+    assert not async_engine.has_unfinished()
+    if num_kv_blocks is not None:  # the small cache really preempted, in both modes
+        assert sync_engine.stats.num_preemptions > 0
+        assert stats.num_preemptions > 0
+
+
+def test_a_request_at_its_row_cap_is_not_scheduled_again(tiny_ckpt):
+    """With its last row in flight a request is skipped: no wasted row, no extra block."""
+    engine = Engine.from_pretrained(tiny_ckpt, EngineConfig(block_size=4, max_num_seqs=2))
+    engine.add_request("cap", "short", params=SamplingParams(seed=3, max_rows=2), audio=False)
+    launched = []
+    original = engine.runner.launch
+
+    def launch(sched):
+        launched.append([(c.request.request_id, c.num_tokens) for c in sched.chunks])
+        return original(sched)
+
+    engine.runner.launch = launch
+    events = []
+    while engine.has_unfinished():
+        events += engine.step()
+    assert [e.finished for e in events] == [False, True]
+    assert len(launched) == 2  # the prefill (row 1) and one decode (row 2), nothing after
+    assert engine.stats.num_rows_generated == 2
+
+
+def test_sample_buckets_cover_every_row_count():
+    for max_rows in (1, 3, 8, 17, 64, 256):
+        buckets = sample_buckets(max_rows)
+        assert buckets[-1] == max_rows and list(buckets) == sorted(set(buckets))
+        for n in range(1, max_rows + 1):
+            b = next(b for b in buckets if b >= n)
+            assert b - n < 8  # padding wastes at most 7 rows
