@@ -117,10 +117,10 @@ def main() -> None:
     model = None if args.model == "default" else args.model
     if model is not None:
         write_full(Path(model))
-    from engine import Engine, EngineConfig
+    from engine import Engine, EngineConfig, default_device
 
     cs = [int(c) for c in args.concurrency.split(",")]
-    config = EngineConfig(max_num_seqs=max(cs), cuda_graphs=not args.eager)
+    config = EngineConfig(device=default_device(), max_num_seqs=max(cs), cuda_graphs=not args.eager)
     t = time.perf_counter()
     engine = Engine.from_pretrained(model, config)
     print(f"engine ready in {time.perf_counter() - t:.1f} s", flush=True)

@@ -50,6 +50,7 @@ class Record:
     first_payload: int
     underruns: int
     reason: str
+    arrivals: list[tuple[float, float]]  # (time, audio seconds) of every audio frame
 
 
 def reference_wav(seconds: float, seed: int = 0) -> bytes:
@@ -96,6 +97,7 @@ async def one_request(ws, uid: str, voice_id: str, text: str, seconds: float, se
     first_payload = 0
     audio = 0.0
     underruns = 0
+    arrivals = []
     while True:
         msg = await ws.recv()
         now = time.perf_counter()
@@ -107,22 +109,27 @@ async def one_request(ws, uid: str, voice_id: str, text: str, seconds: float, se
                 elif now > first + audio:
                     underruns += 1
                 audio += len(frame.payload) / 48000
+                arrivals.append((now, len(frame.payload) / 48000))
             continue
         data = json.loads(msg)
         if data["type"] == "done":
-            return Record(sent, first, now, audio, first_payload, underruns, data["reason"])
+            reason = data["reason"]
+            return Record(sent, first, now, audio, first_payload, underruns, reason, arrivals)
         if data["type"] == "error":
             raise RuntimeError(f"server error: {data}")
 
 
 async def run_load(
     url: str, voice_id: str, concurrency: int, warmup: int, timed: int, seed: int
-) -> list[Record]:
+) -> tuple[list[Record], float]:
+    """The timed records, and when the first client ran out of requests (until then every
+    client was busy: the saturated window ends there)."""
     import websockets
 
     lengths = durations(warmup + timed + concurrency, seed)
     counter = iter(range(10**9))
     records: list[tuple[int, Record]] = []
+    first_idle: list[float] = []
 
     async def client(c: int) -> None:
         async with websockets.connect(url, max_size=None) as ws:
@@ -130,6 +137,7 @@ async def run_load(
             while True:
                 i = next(counter)
                 if i >= warmup + timed:
+                    first_idle.append(time.perf_counter())
                     return
                 rec = await one_request(
                     ws, f"c{c}-{i}", voice_id, TEXTS[i % len(TEXTS)], lengths[i], seed * 100_000 + i
@@ -137,16 +145,31 @@ async def run_load(
                 records.append((i, rec))
 
     await asyncio.gather(*(client(c) for c in range(concurrency)))
-    return [r for i, r in sorted(records, key=lambda x: x[0]) if i >= warmup]
+    timed_records = [r for i, r in sorted(records, key=lambda x: x[0]) if i >= warmup]
+    return timed_records, min(first_idle)
 
 
-def summarise(records: list[Record], wall: float | None = None) -> dict:
-    """Figures over `records`; `wall` defaults to first send -> last done."""
+def saturated(records: list[Record], end: float) -> tuple[float, float]:
+    """(audio seconds, wall seconds) received while every client was busy: from the first
+    timed send to the moment the first client ran out of requests. Unlike the whole run's
+    wall, it leaves out the tail where fewer than C requests remain."""
+    start = min(r.sent for r in records)
+    audio = sum(s for r in records for t, s in r.arrivals if start <= t <= end)
+    return audio, end - start
+
+
+def summarise(
+    records: list[Record], window: tuple[float, float], wall: float | None = None
+) -> dict:
+    """Figures over `records`; `wall` defaults to first send -> last done; `window` is the
+    saturated (audio seconds, wall seconds)."""
     wall = wall or max(r.done for r in records) - min(r.sent for r in records)
     ttfa = sorted((r.first_audio - r.sent) * 1e3 for r in records if r.first_audio)
     pct = lambda p: ttfa[min(len(ttfa) - 1, int(round(p / 100 * (len(ttfa) - 1))))]  # noqa: E731
     return {
-        "audio_s_per_s": sum(r.audio_s for r in records) / wall,
+        "audio_s_per_s": window[0] / window[1],
+        "saturated_s": window[1],
+        "audio_s_per_s_whole": sum(r.audio_s for r in records) / wall,
         "requests_per_s": len(records) / wall,
         "wall_s": wall,
         "ttfa_mean": statistics.fmean(ttfa),
@@ -242,9 +265,11 @@ def bench_server(args, eager: bool, out: Path) -> dict:
                 s0, n0 = step_stats(port)
                 warmup = args.warmup if args.warmup >= 0 else c
                 timed = args.requests if args.requests > 0 else max(16, 2 * c)
-                recs = asyncio.run(run_load(url, voice, c, warmup, timed, seed=1000 * c + s))
+                recs, end = asyncio.run(run_load(url, voice, c, warmup, timed, seed=1000 * c + s))
                 s1, n1 = step_stats(port)
-                summary = summarise(recs)
+                window = saturated(recs, end)
+                summary = summarise(recs, window)
+                summary["window"] = window
                 summary["step_ms"] = (s1 - s0) / max(1, n1 - n0) * 1e3
                 starts.append((summary, recs))
             if args.fresh_server:
@@ -255,8 +280,11 @@ def bench_server(args, eager: bool, out: Path) -> dict:
             _stop(server)
     results = {}
     for c, starts in runs.items():
+        windows = [s["window"] for s, _ in starts]
         pool = summarise(
-            [r for _, recs in starts for r in recs], wall=sum(s["wall_s"] for s, _ in starts)
+            [r for _, recs in starts for r in recs],
+            (sum(w[0] for w in windows), sum(w[1] for w in windows)),
+            wall=sum(s["wall_s"] for s, _ in starts),
         )
         pool["step_ms"] = statistics.fmean(s["step_ms"] for s, _ in starts)
         results[c] = [s for s, _ in starts] + [pool]
@@ -316,7 +344,10 @@ def write_full(path: Path) -> None:
     )
 
 
-ROW = "{:<7}{:>4}{:>6}{:>10.1f}{:>7.1f}{:>10.1f}{:>7.1f}{:>7.1f}{:>7.1f}{:>8.2f}{:>10}{:>8.2f}  {}"
+ROW = (
+    "{:<7}{:>4}{:>6}{:>10.1f}{:>7.1f}{:>7.1f}{:>10.1f}{:>7.1f}{:>7.1f}{:>7.1f}{:>8.2f}{:>10}"
+    "{:>8.2f}  {}"
+)
 
 
 def print_table(runs: dict) -> None:
@@ -325,6 +356,7 @@ def print_table(runs: dict) -> None:
         "C",
         "start",
         "audio-s/s",
+        "whole",
         "req/s",
         "TTFA mean",
         "P50",
@@ -336,7 +368,8 @@ def print_table(runs: dict) -> None:
         "first bytes",
     )
     print(
-        "\n" + "{:<7}{:>4}{:>6}{:>10}{:>7}{:>10}{:>7}{:>7}{:>7}{:>8}{:>10}{:>8}  {}".format(*head)
+        "\n"
+        + "{:<7}{:>4}{:>6}{:>10}{:>7}{:>7}{:>10}{:>7}{:>7}{:>7}{:>8}{:>10}{:>8}  {}".format(*head)
     )
     for mode, per_c in runs.items():
         for c, starts in per_c.items():
@@ -347,6 +380,7 @@ def print_table(runs: dict) -> None:
                     c,
                     label,
                     s["audio_s_per_s"],
+                    s["audio_s_per_s_whole"],
                     s["requests_per_s"],
                     s["ttfa_mean"],
                     s["ttfa_p50"],

@@ -1,6 +1,7 @@
 """The engine's own thread: it owns the Engine, takes commands from the event loop (add,
-abort) through a queue, steps while there is work, and hands each request's outputs to the
-sink registered with it. The event loop never waits on the GPU.
+abort) through a queue, steps while there is work, and hands each request's audio chunks and
+its finish to the sink registered with it (row-only events stay here: at 64 streams they are
+64 cross-thread calls a step that nobody reads). The event loop never waits on the GPU.
 
 Sinks are called on the engine thread; they must only schedule work elsewhere (the service
 passes `loop.call_soon_threadsafe`-wrapped callbacks). Reference encoding runs in a separate
@@ -83,6 +84,8 @@ class EngineWorker:
                 self._fail_all(exc)
                 continue
             for out in outputs:
+                if out.audio is None and not out.finished:
+                    continue
                 sink = self._sinks.get(out.request_id)
                 if out.finished:
                     self._sinks.pop(out.request_id, None)
