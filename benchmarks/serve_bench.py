@@ -51,6 +51,7 @@ class Record:
     underruns: int
     reason: str
     arrivals: list[tuple[float, float]]  # (time, audio seconds) of every audio frame
+    client: int = -1
 
 
 def reference_wav(seconds: float, seed: int = 0) -> bytes:
@@ -121,9 +122,9 @@ async def one_request(ws, uid: str, voice_id: str, text: str, seconds: float, se
 
 async def run_load(
     url: str, voice_id: str, concurrency: int, warmup: int, timed: int, seed: int
-) -> tuple[list[Record], float]:
-    """The timed records, and when the first client ran out of requests (until then every
-    client was busy: the saturated window ends there)."""
+) -> tuple[list[Record], list[Record], float]:
+    """The timed records, every record (warm-up included), and when the first client ran
+    out of requests (until then every client was busy: the saturated window ends there)."""
     import websockets
 
     lengths = durations(warmup + timed + concurrency, seed)
@@ -142,19 +143,21 @@ async def run_load(
                 rec = await one_request(
                     ws, f"c{c}-{i}", voice_id, TEXTS[i % len(TEXTS)], lengths[i], seed * 100_000 + i
                 )
+                rec.client = c
                 records.append((i, rec))
 
     await asyncio.gather(*(client(c) for c in range(concurrency)))
-    timed_records = [r for i, r in sorted(records, key=lambda x: x[0]) if i >= warmup]
-    return timed_records, min(first_idle)
+    ordered = sorted(records, key=lambda x: x[0])
+    return [r for i, r in ordered if i >= warmup], [r for _, r in ordered], min(first_idle)
 
 
-def saturated(records: list[Record], end: float) -> tuple[float, float]:
+def saturated(timed: list[Record], every: list[Record], end: float) -> tuple[float, float]:
     """(audio seconds, wall seconds) received while every client was busy: from the first
-    timed send to the moment the first client ran out of requests. Unlike the whole run's
-    wall, it leaves out the tail where fewer than C requests remain."""
-    start = min(r.sent for r in records)
-    audio = sum(s for r in records for t, s in r.arrivals if start <= t <= end)
+    timed send to the moment the first client ran out of requests, counting every request's
+    audio that arrived in that window (warm-up requests still running included). Unlike the
+    whole run's wall, it leaves out the tail where fewer than C requests remain."""
+    start = min(r.sent for r in timed)
+    audio = sum(s for r in every for t, s in r.arrivals if start <= t <= end)
     return audio, end - start
 
 
@@ -181,7 +184,44 @@ def summarise(
         "first_payloads": sorted({r.first_payload for r in records}),
         "mean_audio_s": statistics.fmean(r.audio_s for r in records),
         "reasons": sorted({r.reason for r in records}),
+        "client_gap_ms": 1e3 * client_gap(records),
     }
+
+
+def client_gap(records: list[Record]) -> float:
+    """Mean time a client spends between a `done` and its next send (client-side overhead)."""
+    gaps, by_client = [], {}
+    for r in sorted(records, key=lambda r: r.sent):
+        prev = by_client.get(r.client)
+        if prev is not None:
+            gaps.append(r.sent - prev.done)
+        by_client[r.client] = r
+    return statistics.fmean(gaps) if gaps else 0.0
+
+
+class RunningSampler:
+    """Samples the server's running-request gauge every 0.1 s in a thread."""
+
+    def __init__(self, port: int):
+        import threading
+
+        self.port, self.values = port, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        url = f"http://127.0.0.1:{self.port}/metrics"
+        while not self._stop.wait(0.1):
+            text = urllib.request.urlopen(url).read().decode()
+            for line in text.splitlines():
+                if line.startswith("clonecast_num_requests_running "):
+                    self.values.append(float(line.split()[-1]))
+
+    def stop(self) -> float:
+        self._stop.set()
+        self._thread.join()
+        return statistics.fmean(self.values) if self.values else 0.0
 
 
 def start_server(model: str | None, port: int, eager: bool, max_num_seqs: int, log: Path):
@@ -265,11 +305,21 @@ def bench_server(args, eager: bool, out: Path) -> dict:
                 s0, n0 = step_stats(port)
                 warmup = args.warmup if args.warmup >= 0 else c
                 timed = args.requests if args.requests > 0 else max(16, 2 * c)
-                recs, end = asyncio.run(run_load(url, voice, c, warmup, timed, seed=1000 * c + s))
+                sampler = RunningSampler(port)
+                recs, every, end = asyncio.run(
+                    run_load(url, voice, c, warmup, timed, seed=1000 * c + s)
+                )
+                running = sampler.stop()
                 s1, n1 = step_stats(port)
-                window = saturated(recs, end)
+                window = saturated(recs, every, end)
                 summary = summarise(recs, window)
                 summary["window"] = window
+                summary["mean_running"] = running
+                print(
+                    f"C={c} start {s + 1}: mean running {running:.1f}, client gap "
+                    f"{summary['client_gap_ms']:.1f} ms, saturated window {window[1]:.1f} s",
+                    flush=True,
+                )
                 summary["step_ms"] = (s1 - s0) / max(1, n1 - n0) * 1e3
                 starts.append((summary, recs))
             if args.fresh_server:
