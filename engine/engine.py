@@ -303,10 +303,11 @@ class Engine:
     def _append_rows(self, sampled) -> list[tuple[Request, AudioRow, FinishReason | None]]:
         updates = []
         now = time.monotonic()
-        for request, codes, done in zip(sampled.requests, sampled.codes, sampled.done, strict=True):
+        codes, dones = sampled.codes.tolist(), sampled.done.tolist()
+        for request, row_list, done in zip(sampled.requests, codes, dones, strict=True):
             if request.is_finished:
                 continue  # ended (finished, aborted) while this row was in flight: dropped
-            row = tuple(int(c) for c in codes)
+            row = tuple(row_list)
             request.output_rows.append(row)
             if request.first_row_time is None:
                 request.first_row_time = now

@@ -139,6 +139,11 @@ class ModelRunner:
             config.max_num_seqs, cfg.hidden_size, dtype=dtype, device=self.device
         )
         self._prompt_arrays: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        # Each slot's block table, kept in step with its request's block list (the list
+        # object itself marks a new one: it is replaced on admission and on release).
+        self._tables = np.full((config.max_num_seqs, self.max_blocks), NULL_BLOCK, np.int64)
+        self._table_lists: list[list[int] | None] = [None] * config.max_num_seqs
+        self._table_lens = [0] * config.max_num_seqs
         self.graphs = None  # a CudaGraphs once captured (CUDA and the Triton backend only)
         self.sampler_graphs = None  # a SamplerGraphs once captured (CUDA only)
 
@@ -305,7 +310,9 @@ class ModelRunner:
         lay.view(h, "seq_lens")[num_seqs:padded_seqs] = 0
 
     def _prepare(self, sched: SchedulerOutput) -> tuple[int, int]:
-        """Fills the host staging buffer for this step; returns (tokens, sampled rows)."""
+        """Fills the host staging buffer for this step; returns (tokens, sampled rows).
+        Decode rows (one position past the prompt, sampling) are written with whole-array
+        operations; prefill and recompute chunks one by one."""
         lay, h = self.layout, self.host_np
         token_ids, positions = lay.view(h, "token_ids"), lay.view(h, "positions")
         rows = lay.view(h, "audio_rows").reshape(-1, NUM_CODEBOOKS)
@@ -314,33 +321,63 @@ class ModelRunner:
         logits_index, sample_slots = lay.view(h, "logits_index"), lay.view(h, "sample_slots")
         tables = lay.view(h, "block_tables").reshape(-1, self.max_blocks)
         bs = self.config.block_size
-        t = r = 0
+        chunks = sched.chunks
+        num = len(chunks)
+        for chunk in chunks:
+            self._sync_block_table(chunk.request)
+        starts = np.fromiter((c.start for c in chunks), np.int64, num)
+        ns = np.fromiter((c.num_tokens for c in chunks), np.int64, num)
+        slots = np.fromiter((c.request.slot for c in chunks), np.int64, num)
+        samples = np.fromiter((c.samples for c in chunks), bool, num)
+        prompt_lens = np.fromiter((len(c.request.prompt) for c in chunks), np.int64, num)
         qsl[0] = 0
-        for b, chunk in enumerate(sched.chunks):
-            req, start, n = chunk.request, chunk.start, chunk.num_tokens
+        np.cumsum(ns, out=qsl[1 : num + 1])
+        t = int(qsl[num])
+        seq_lens[:num] = starts + ns
+        tables[:num] = self._tables[slots]
+
+        decode = (ns == 1) & (starts >= prompt_lens) & samples
+        at, pos, dslots = qsl[:num][decode], starts[decode], slots[decode]
+        token_ids[at] = 0
+        rows[at] = -1  # the input row is the slot's last sampled row, on the GPU
+        feedback[at] = dslots
+        positions[at] = pos
+        slot_mapping[at] = self._tables[dslots, pos // bs] * bs + pos % bs
+
+        for b in np.flatnonzero(~decode).tolist():
+            chunk = chunks[b]
+            req, start, n, t0 = chunk.request, chunk.start, chunk.num_tokens, int(qsl[b])
             end = start + n
-            self._fill_inputs(req, start, end, token_ids[t : t + n], rows[t : t + n])
-            feedback[t : t + n] = -1
+            self._fill_inputs(req, start, end, token_ids[t0 : t0 + n], rows[t0 : t0 + n])
+            feedback[t0 : t0 + n] = -1
             if chunk.samples and end > len(req.prompt):
-                feedback[t + n - 1] = req.slot  # the row sampled last step, still on the GPU
-            pos = np.arange(start, end)
-            positions[t : t + n] = pos
-            blocks = np.asarray(req.block_ids, dtype=np.int64)
-            slot_mapping[t : t + n] = blocks[pos // bs] * bs + pos % bs
-            tables[b, : len(blocks)] = blocks
-            tables[b, len(blocks) :] = NULL_BLOCK
-            seq_lens[b] = end
-            t += n
-            qsl[b + 1] = t
-            if chunk.samples:
-                logits_index[r] = t - 1
-                sample_slots[r] = req.slot
-                r += 1
+                feedback[t0 + n - 1] = req.slot  # the row sampled last step, still on the GPU
+            p = np.arange(start, end)
+            positions[t0 : t0 + n] = p
+            slot_mapping[t0 : t0 + n] = self._tables[req.slot, p // bs] * bs + p % bs
+
+        sampled = np.flatnonzero(samples)
+        r = len(sampled)
         if r:
+            logits_index[:r] = qsl[1 : num + 1][sampled] - 1
+            sample_slots[:r] = slots[sampled]
             padded = self.sample_bucket(r)
             logits_index[r:padded] = 0
             sample_slots[r:padded] = self.pad_slot
         return t, r
+
+    def _sync_block_table(self, req: Request) -> None:
+        """Keeps the slot's block-table row equal to the request's block list: rewritten when
+        the list is a new one (admission, recompute), extended when blocks were appended."""
+        slot, blocks = req.slot, req.block_ids
+        row = self._tables[slot]
+        if self._table_lists[slot] is not blocks:
+            row[: len(blocks)] = blocks
+            row[len(blocks) :] = NULL_BLOCK
+            self._table_lists[slot] = blocks
+        elif self._table_lens[slot] != len(blocks):
+            row[self._table_lens[slot] : len(blocks)] = blocks[self._table_lens[slot] :]
+        self._table_lens[slot] = len(blocks)
 
     def _fill_inputs(self, req: Request, start: int, end: int, ids_out, rows_out) -> None:
         ids, rows = self._prompt_arrays[req.request_id]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 
 from starlette.applications import Starlette
@@ -96,6 +97,7 @@ class Services:
         if isinstance(result, BaseException):
             raise result
         self.metrics.update_engine(self.engine.stats)
+        _settle_garbage_collector()
         self.is_ready = True
 
     async def create_voice(self, data: bytes, transcript: str | None) -> tuple[Voice, bool]:
@@ -166,3 +168,13 @@ def create_app(settings: ServiceSettings | None = None, engine: Engine | None = 
     app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
     app.state.services = services
     return app
+
+
+def _settle_garbage_collector() -> None:
+    """Once everything is loaded: the start-up objects (model, tokenizer, graphs) move to
+    the permanent generation, and young collections run less often. Without this, a full
+    collection now and then scans every request's rows and stalls one engine step by several
+    milliseconds (measured: 1.7 -> 7.9 ms of a 256-stream step's host work)."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(20_000, 20, 20)
