@@ -305,6 +305,8 @@ def bench_server(args, eager: bool, out: Path) -> dict:
                 s0, n0 = step_stats(port)
                 warmup = args.warmup if args.warmup >= 0 else c
                 timed = args.requests if args.requests > 0 else max(16, 2 * c)
+                if c == 1 and args.requests > 0:  # a closed loop of one: fewer suffice
+                    warmup, timed = min(warmup, 4), args.c1_requests
                 sampler = RunningSampler(port)
                 recs, every, end = asyncio.run(
                     run_load(url, voice, c, warmup, timed, seed=1000 * c + s)
@@ -319,6 +321,10 @@ def bench_server(args, eager: bool, out: Path) -> dict:
                     f"C={c} start {s + 1}: mean running {running:.1f}, client gap "
                     f"{summary['client_gap_ms']:.1f} ms, saturated window {window[1]:.1f} s",
                     flush=True,
+                )
+                partial = {str(k): [x for x, _ in v] for k, v in runs.items()}
+                (out / f"partial{'-eager' if eager else ''}.json").write_text(
+                    json.dumps(partial, indent=1)
                 )
                 summary["step_ms"] = (s1 - s0) / max(1, n1 - n0) * 1e3
                 starts.append((summary, recs))
@@ -359,7 +365,10 @@ def main() -> None:
     ap.add_argument("--reference-s", type=float, default=4.0)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--port", type=int, default=8790)
+    ap.add_argument("--c1-requests", type=int, default=32, help="timed requests at C=1")
     ap.add_argument("--eager", action="store_true", help="also run without CUDA graphs")
+    ap.add_argument("--eager-concurrency", default="1,64", help="concurrencies of the eager run")
+    ap.add_argument("--eager-requests", type=int, default=0, help="timed requests of the eager run")
     ap.add_argument("--fresh-server", action="store_true", help="a new server process per start")
     ap.add_argument("--out", default=os.environ.get("OUT", "out/bench"))
     args = ap.parse_args()
@@ -370,6 +379,8 @@ def main() -> None:
         args.model = args.write_full
     runs = {"default": bench_server(args, eager=False, out=out)}
     if args.eager:
+        args.concurrency, args.requests = args.eager_concurrency, args.eager_requests
+        args.starts, args.warmup = 1, -1
         runs["eager"] = bench_server(args, eager=True, out=out)
     (out / "serve_bench.json").write_text(json.dumps(runs, indent=2))
     print_table(runs)
@@ -442,6 +453,16 @@ def print_table(runs: dict) -> None:
                     s["first_payloads"],
                 )
                 print(ROW.format(*row))
+
+    if "eager" in runs:
+        for c, starts in runs["eager"].items():
+            if c in runs["default"]:
+                g, e = runs["default"][c][-1], starts[-1]
+                ratio = g["audio_s_per_s"] / e["audio_s_per_s"]
+                print(
+                    f"graphs vs eager at C={c}: audio-s/s x{ratio:.2f}, "
+                    f"first audio mean x{e['ttfa_mean'] / g['ttfa_mean']:.2f} faster"
+                )
 
 
 if __name__ == "__main__":
