@@ -200,12 +200,12 @@ def client_gap(records: list[Record]) -> float:
 
 
 class RunningSampler:
-    """Samples the server's running-request gauge every 0.1 s in a thread."""
+    """Samples the server's running and waiting request gauges every 0.1 s in a thread."""
 
     def __init__(self, port: int):
         import threading
 
-        self.port, self.values = port, []
+        self.port, self.values, self.waiting = port, [], []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -217,11 +217,14 @@ class RunningSampler:
             for line in text.splitlines():
                 if line.startswith("clonecast_num_requests_running "):
                     self.values.append(float(line.split()[-1]))
+                if line.startswith("clonecast_num_requests_waiting "):
+                    self.waiting.append(float(line.split()[-1]))
 
-    def stop(self) -> float:
+    def stop(self) -> tuple[float, float]:
         self._stop.set()
         self._thread.join()
-        return statistics.fmean(self.values) if self.values else 0.0
+        mean = lambda v: statistics.fmean(v) if v else 0.0  # noqa: E731
+        return mean(self.values), mean(self.waiting)
 
 
 def start_server(model: str | None, port: int, eager: bool, max_num_seqs: int, log: Path):
@@ -311,14 +314,15 @@ def bench_server(args, eager: bool, out: Path) -> dict:
                 recs, every, end = asyncio.run(
                     run_load(url, voice, c, warmup, timed, seed=1000 * c + s)
                 )
-                running = sampler.stop()
+                running, waiting = sampler.stop()
                 s1, n1 = step_stats(port)
                 window = saturated(recs, every, end)
                 summary = summarise(recs, window)
                 summary["window"] = window
-                summary["mean_running"] = running
+                summary["mean_running"], summary["mean_waiting"] = running, waiting
                 print(
-                    f"C={c} start {s + 1}: mean running {running:.1f}, client gap "
+                    f"C={c} start {s + 1}: mean running {running:.1f}, waiting {waiting:.1f}, "
+                    f"client gap "
                     f"{summary['client_gap_ms']:.1f} ms, saturated window {window[1]:.1f} s",
                     flush=True,
                 )
