@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import sys
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -98,6 +99,10 @@ class Services:
             raise result
         self.metrics.update_engine(self.engine.stats)
         _settle_garbage_collector()
+        # The engine thread and the event loop share one interpreter lock: with Python's
+        # 5 ms switch interval every socket operation of the event loop can wait up to 5 ms
+        # behind a busy engine thread (a convoy that delays requests and audio).
+        sys.setswitchinterval(self.settings.gil_switch_ms / 1000)
         self.is_ready = True
 
     async def create_voice(self, data: bytes, transcript: str | None) -> tuple[Voice, bool]:

@@ -12,6 +12,7 @@ variables (all named CLONECAST_*).
 | CLONECAST_ALLOWED_ORIGINS | comma-separated browser origins; unset: any |
 | CLONECAST_MAX_CONNECTIONS, CLONECAST_MAX_NUM_SEQS | capacity |
 | CLONECAST_EAGER | 1: no CUDA graphs (debugging, comparison) |
+| CLONECAST_GIL_SWITCH_MS | thread switch interval once ready, ms (0.5; Python's own: 5) |
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ class ServiceSettings:
     allowed_origins: tuple[str, ...] = ()
     max_num_seqs: int = 64
     cuda_graphs: bool = True
+    gil_switch_ms: float = 0.5
     limits: Limits = field(default_factory=Limits)
 
     @classmethod
@@ -80,6 +82,7 @@ class ServiceSettings:
             allowed_origins=_split(env.get("CLONECAST_ALLOWED_ORIGINS")),
             max_num_seqs=int(env.get("CLONECAST_MAX_NUM_SEQS", 64)),
             cuda_graphs=env.get("CLONECAST_EAGER", "0") not in ("1", "true", "yes"),
+            gil_switch_ms=float(env.get("CLONECAST_GIL_SWITCH_MS", 0.5)),
             limits=Limits(max_connections=int(env.get("CLONECAST_MAX_CONNECTIONS", 256))),
         )
         return replace(base, **{k: v for k, v in overrides.items() if v is not None})
