@@ -127,9 +127,10 @@ class TritonAttention:
     name = "triton"
 
     def forward(self, q, k, v, kv_cache, meta, scale):
+        from kernels.kv_store import store_kv_fused
         from kernels.paged_attention import decode_splits, paged_attention, paged_decode_attention
 
-        store_kv(k, v, kv_cache, meta.slot_mapping[: meta.num_tokens])
+        store_kv_fused(k, v, kv_cache, meta.slot_mapping[: meta.num_tokens])
         if meta.max_query_len == 1:  # decode only: split the context when sequences are few
             splits = decode_splits(meta.num_seqs, kv_cache.shape[3])
             if splits > 1:

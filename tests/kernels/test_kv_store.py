@@ -1,0 +1,48 @@
+"""The fused KV-cache store against the torch reference (`engine.attention.store_kv`): small
+shapes on the CPU (Triton interpreter), the Higgs shape in bf16 on a GPU. V is read as a view
+into a fused QKV tensor, as the model passes it; padding rows (reserved block 0) are skipped."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.attention import store_kv
+from kernels.kv_store import store_kv_fused
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _case(t, hkv, d, num_blocks, block_size, dtype, seed, padding):
+    g = torch.Generator().manual_seed(seed)
+    q_width = 4 * hkv * d
+    qkv = torch.randn(t, q_width + 2 * hkv * d, generator=g).to(DEVICE, dtype)
+    k = torch.randn(t, hkv, d, generator=g).to(DEVICE, dtype)  # as q/k-norm+RoPE returns it
+    v = qkv[:, q_width + hkv * d :].view(t, hkv, d)  # a strided view, like the model's
+    slots = torch.randperm((num_blocks - 1) * block_size, generator=g)[:t] + block_size
+    slots[t - padding :] = torch.arange(padding) % block_size  # padding rows: block 0
+    cache = torch.randn(2, num_blocks, block_size, hkv, d, generator=g).to(DEVICE, dtype)
+    return k, v, cache, slots.to(DEVICE)
+
+
+@pytest.mark.parametrize(
+    "t, hkv, d, blocks, bs, padding",
+    [(1, 2, 16, 4, 4, 0), (7, 2, 16, 6, 4, 2), (33, 4, 32, 20, 8, 5), (5, 8, 128, 4, 16, 1)],
+)
+def test_matches_the_reference_and_skips_padding(t, hkv, d, blocks, bs, padding):
+    k, v, cache, slots = _case(t, hkv, d, blocks, bs, torch.float32, t * 7 + d, padding)
+    ours, ref = cache.clone(), cache.clone()
+    store_kv_fused(k, v, ours, slots)
+    store_kv(k, v, ref, slots)
+    torch.testing.assert_close(ours[:, 1:], ref[:, 1:], rtol=0, atol=0)
+    torch.testing.assert_close(ours[:, 0], cache[:, 0], rtol=0, atol=0)  # block 0 untouched
+    assert not torch.equal(ours[:, 1:], cache[:, 1:])  # it really wrote
+
+
+@pytest.mark.cuda
+def test_higgs_shape_bf16():
+    k, v, cache, slots = _case(512, 8, 128, 600, 16, torch.bfloat16, 3, 40)
+    ours, ref = cache.clone(), cache.clone()
+    store_kv_fused(k, v, ours, slots)
+    store_kv(k, v, ref, slots)
+    assert torch.equal(ours[:, 1:], ref[:, 1:]) and torch.equal(ours[:, 0], cache[:, 0])
