@@ -227,20 +227,15 @@ class RunningSampler:
         return mean(self.values), mean(self.waiting)
 
 
-def start_server(model: str | None, port: int, eager: bool, max_num_seqs: int, log: Path):
-    cmd = [
-        sys.executable,
-        "-m",
-        "service.cli",
-        "serve",
-        "--port",
-        str(port),
-        "--log-level",
-        "warning",
-        "--max-num-seqs",
-        str(max_num_seqs),
-    ]
-    if model:
+def start_server(
+    model: str | None, port: int, eager: bool, max_num_seqs: int, log: Path, sim: str | None
+):
+    cmd = [sys.executable, "-m", "service.cli", "serve", "--log-level", "warning"]
+    if sim is not None:  # the host side for real, GPU work simulated (benchmarks/sim_server.py)
+        script = os.environ.get("CLONECAST_SIM_SCRIPT", str(ROOT / "benchmarks" / "sim_server.py"))
+        cmd = [sys.executable, script, *sim.split()]
+    cmd += ["--port", str(port), "--max-num-seqs", str(max_num_seqs)]
+    if model and sim is None:
         cmd += ["--model", model]
     if eager:
         cmd.append("--eager")
@@ -302,7 +297,7 @@ def bench_server(args, eager: bool, out: Path) -> dict:
     try:
         for s in range(args.starts):
             if server is None:
-                server = start_server(args.model, port, eager, args.max_num_seqs, log)
+                server = start_server(args.model, port, eager, args.max_num_seqs, log, args.sim)
                 voice = asyncio.run(create_voice(url, reference_wav(args.reference_s)))
             for c, starts in runs.items():
                 s0, n0 = step_stats(port)
@@ -374,6 +369,10 @@ def main() -> None:
     ap.add_argument("--eager-concurrency", default="1,64", help="concurrencies of the eager run")
     ap.add_argument("--eager-requests", type=int, default=0, help="timed requests of the eager run")
     ap.add_argument("--fresh-server", action="store_true", help="a new server process per start")
+    ap.add_argument(
+        "--sim",
+        help="run benchmarks/sim_server.py with these arguments instead (GPU work simulated)",
+    )
     ap.add_argument("--out", default=os.environ.get("OUT", "out/bench"))
     args = ap.parse_args()
     out = Path(args.out)

@@ -183,3 +183,18 @@ def _settle_garbage_collector() -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(20_000, 20, 20)
+
+
+def uvicorn_options(settings: ServiceSettings) -> dict:
+    """How the server runs under uvicorn (the CLI, the benchmarks and the tests use this).
+    WebSocket compression is off: PCM and mu-law barely compress, and deflating every audio
+    frame cost the server's event loop about half a second per request at 256 streams (a
+    measured 516 ms between `done` and the client's next request, 5.5 ms without it)."""
+    return {
+        "host": settings.host,
+        "port": settings.port,
+        "ws_max_size": 2 * settings.limits.max_message_bytes,
+        "ws_per_message_deflate": False,
+        "ws_ping_interval": 20.0,
+        "ws_ping_timeout": 20.0,
+    }

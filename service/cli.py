@@ -150,7 +150,7 @@ def _add_common(p: argparse.ArgumentParser, max_rows: int) -> None:
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from service.app import create_app
+    from service.app import create_app, uvicorn_options
 
     settings = ServiceSettings.from_env(
         model=args.model,
@@ -169,15 +169,7 @@ def serve(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
-    uvicorn.run(
-        app,
-        host=settings.host,
-        port=settings.port,
-        log_level=args.log_level,
-        ws_max_size=2 * settings.limits.max_message_bytes,
-        ws_ping_interval=20.0,
-        ws_ping_timeout=20.0,
-    )
+    uvicorn.run(app, log_level=args.log_level, **uvicorn_options(settings))
     return 0
 
 

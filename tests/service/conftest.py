@@ -21,7 +21,7 @@ import soundfile as sf
 import uvicorn
 from websockets.asyncio.client import connect
 
-from service.app import create_app
+from service.app import create_app, uvicorn_options
 from service.config import Limits, ServiceSettings
 from service.wire import unpack_audio
 
@@ -31,14 +31,8 @@ LIVE_SERVERS: list = []  # every RunningServer not yet stopped
 class RunningServer:
     def __init__(self, settings: ServiceSettings):
         self.app = create_app(settings)
-        config = uvicorn.Config(
-            self.app,
-            host="127.0.0.1",
-            port=0,
-            log_level="warning",
-            ws_max_size=2 * settings.limits.max_message_bytes,
-            lifespan="on",
-        )
+        options = {**uvicorn_options(settings), "host": "127.0.0.1", "port": 0}
+        config = uvicorn.Config(self.app, log_level="warning", lifespan="on", **options)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()

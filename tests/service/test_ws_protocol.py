@@ -37,6 +37,17 @@ from .conftest import (
 )
 
 
+def test_the_server_does_not_compress_audio_frames(server):
+    """Clients (browsers, the websockets library) offer permessage-deflate; the server declines:
+    deflating every PCM frame costs far more CPU than it saves bytes."""
+
+    async def go():
+        async with open_ws(server.ws) as ws:  # the client offers compression by default
+            assert ws.response.headers.get("Sec-WebSocket-Extensions") is None
+
+    run(go())
+
+
 def test_ready_message_describes_protocol_model_audio_and_limits(server):
     async def main():
         async with connect(server.ws, open_timeout=30) as ws:

@@ -1,0 +1,89 @@
+"""The real server with the GPU work replaced by waits: a model of the host side of serving.
+
+Everything on the host is real (the event loop, sessions, the WebSocket protocol, the worker,
+the scheduler, step preparation, streaming windows, events), but a launched step's rows come
+back `--step-ms A+B*rows` after the previous step finished (random codes, no EOS: requests end
+at their length cap, as with random weights), and each codec batch takes `--codec-ms` and
+returns silence of the right length. Waits release the interpreter lock, as CUDA waits do.
+It shows, on a machine without a GPU, whether the service keeps C streams running.
+
+    python benchmarks/sim_server.py --port 8790 --max-num-seqs 256 [--step-ms 3.7+0.029]
+    python benchmarks/serve_bench.py --server sim ...   (starts it for you)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine import Engine, EngineConfig  # noqa: E402
+from engine.codec.chunk_decoder import DecodedChunk  # noqa: E402
+from engine.config import NUM_CODEBOOKS  # noqa: E402
+from engine.runner import SampledRows  # noqa: E402
+
+
+class SimulatedStep:
+    def __init__(self, requests, ready_at: float, rng: np.random.Generator):
+        self.requests = requests
+        self.ready_at = ready_at
+        self.codes = rng.integers(0, 1024, (len(requests), NUM_CODEBOOKS), dtype=np.int64)
+
+    def result(self) -> SampledRows:
+        wait = self.ready_at - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)
+        return SampledRows(self.requests, self.codes, np.zeros(len(self.requests), bool))
+
+
+def simulate(engine: Engine, step_a_ms: float, step_b_ms: float, codec_ms: float) -> None:
+    runner, rng = engine.runner, np.random.default_rng(0)
+    gpu_free_at = [0.0]
+
+    def launch(sched):
+        runner._next_staging_buffer()
+        runner._prepare(sched)  # the real host work of a step
+        sampling = [c.request for c in sched.chunks if c.samples]
+        ms = step_a_ms + step_b_ms * sched.num_tokens
+        gpu_free_at[0] = max(gpu_free_at[0], time.perf_counter()) + ms / 1e3
+        return SimulatedStep(sampling, gpu_free_at[0], rng)
+
+    def decode_batch(batch):
+        time.sleep(codec_ms / 1e3)
+        hop = engine.codec.chunks.hop
+        return [DecodedChunk(w, bytes(2 * w.num_frames * hop)) for w in batch]
+
+    runner.launch = launch
+    engine.codec.chunks._decode_batch = decode_batch
+
+
+def main() -> None:
+    import uvicorn
+
+    from service.app import create_app, uvicorn_options
+    from service.config import ServiceSettings
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--port", type=int, default=8790)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--step-ms", default="3.7+0.029", help="A+B: A + B * tokens per step")
+    ap.add_argument("--codec-ms", type=float, default=1.5, help="per codec batch")
+    args = ap.parse_args()
+    a, b = (float(x) for x in args.step_ms.split("+"))
+    settings = ServiceSettings.from_env(port=args.port, max_num_seqs=args.max_num_seqs)
+    config = EngineConfig(
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=max(512, args.max_num_seqs)
+    )
+    engine = Engine.from_pretrained(None, config)
+    simulate(engine, a, b, args.codec_ms)
+    print(f"simulated server on {args.port}: step {a}+{b}*tokens ms", file=sys.stderr)
+    uvicorn.run(create_app(settings, engine), log_level="warning", **uvicorn_options(settings))
+
+
+if __name__ == "__main__":
+    main()
