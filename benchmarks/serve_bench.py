@@ -1,8 +1,11 @@
 """The served benchmark of performance.md: the real server, the real WebSocket protocol, a
 closed loop of C clients on the same host sending voice-clone requests.
 
-For each concurrency: warm-up requests excluded, then `--requests` timed requests, repeated
-`--starts` times (fresh connections each time, same server); output lengths drawn from a
+For each concurrency: warm-up requests excluded (`--warmup`, 64, but never fewer than C: with
+fewer, the timed window opens on the cold ramp of C simultaneous first requests), then
+`--requests` timed requests, repeated `--starts` times (fresh connections each time; a fresh
+server each time with `--fresh-server`); `--sim ARGS` runs benchmarks/sim_server.py (the real
+service with the GPU work simulated) instead of the real server; output lengths drawn from a
 seeded distribution with mean 109 frames (4.36 s), range 1-10 s, enforced with
 `max_duration_s` (random weights never choose to stop). Prints audio-s/s, requests/s, first
 audio mean/P50/P95/P99, completion mean, underruns and the first payload sizes; with
@@ -301,7 +304,7 @@ def bench_server(args, eager: bool, out: Path) -> dict:
                 voice = asyncio.run(create_voice(url, reference_wav(args.reference_s)))
             for c, starts in runs.items():
                 s0, n0 = step_stats(port)
-                warmup = args.warmup if args.warmup >= 0 else c
+                warmup = max(args.warmup, c)
                 timed = args.requests if args.requests > 0 else max(16, 2 * c)
                 if c == 1 and args.requests > 0:  # a closed loop of one: fewer suffice
                     warmup, timed = min(warmup, 4), args.c1_requests
@@ -359,7 +362,12 @@ def main() -> None:
     )
     ap.add_argument("--concurrency", default="1,32,64")
     ap.add_argument("--requests", type=int, default=256, help="timed requests (0: max(16, 2C))")
-    ap.add_argument("--warmup", type=int, default=64, help="excluded requests (-1: C)")
+    ap.add_argument(
+        "--warmup",
+        type=int,
+        default=64,
+        help="excluded requests, at least C (fewer would time the cold ramp); -1: C",
+    )
     ap.add_argument("--starts", type=int, default=3)
     ap.add_argument("--reference-s", type=float, default=4.0)
     ap.add_argument("--max-num-seqs", type=int, default=64)
