@@ -271,6 +271,12 @@ class Engine:
         runs step N while the host reads step N-1 and prepares step N+1: a request's finish is
         seen one step late, and a finishing request may compute one row that is dropped."""
         t0 = time.perf_counter()
+        early: list[RequestOutput] = []
+        if self._in_flight is not None and self.scheduler.short_of_blocks():
+            # Rows in flight may end requests and free their blocks: read them first rather
+            # than preempt a live request for want of blocks that are about to be freed.
+            pending, self._in_flight = self._in_flight, None
+            early = self._read(pending)
         sched = self.scheduler.schedule()
         self._counters.preemptions += len(sched.preempted)
         launched = None
@@ -284,12 +290,25 @@ class Engine:
             for request in launched.requests:
                 request.num_inflight += 1
             self._counters.steps += 1
-        if not self.config.async_scheduling:
-            self._in_flight, launched = launched, None
-        outputs = self._complete(self._in_flight) if self._in_flight is not None else []
-        self._in_flight = launched
+        if self.config.async_scheduling:
+            pending, self._in_flight = self._in_flight, launched
+        else:
+            pending = launched
+        outputs = early + (self._read(pending) if pending is not None else [])
         self._counters.seconds += time.perf_counter() - t0
         return outputs
+
+    def _read(self, pending: PendingStep) -> list[RequestOutput]:
+        """`_complete`, but if reading fails the step's requests end with an error (the
+        exception propagates) so that the engine stays usable for the others."""
+        try:
+            return self._complete(pending)
+        except Exception:
+            for request in pending.requests:
+                if not request.is_finished:
+                    request.num_inflight = 0
+                    self._finish(request, FinishReason.ERROR)
+            raise
 
     def _complete(self, pending: PendingStep) -> list[RequestOutput]:
         """Reads a launched step's rows (waits for them) and turns them into events."""
@@ -406,6 +425,7 @@ class Engine:
                         str(out.finish_reason),
                         b"".join(pcm[out.request_id]),
                     )
+        self.has_unfinished()  # lets go of a last in-flight step whose requests all ended
         return [results[rid] for rid in ids]
 
     @property

@@ -96,6 +96,25 @@ class Scheduler:
 
     # -- one step ----------------------------------------------------------------------------
 
+    def short_of_blocks(self) -> bool:
+        """Whether the running requests' next chunks need more KV blocks than are free (a
+        dry run of `_schedule_running`): then `schedule()` would preempt."""
+        budget, need = self.config.max_num_batched_tokens, 0
+        most = len(self.running) + budget // self.blocks.block_size + 1
+        if self.blocks.num_free_blocks >= most:
+            return False  # cheap bound: each chunk needs at most n / block_size + 1 blocks
+        for request in self.running:
+            if budget <= 0:
+                break
+            if request.num_rows >= request.params.max_rows:
+                continue
+            n = min(request.num_pending, budget)
+            need += max(
+                0, self.blocks.blocks_needed(request.num_computed + n) - len(request.block_ids)
+            )
+            budget -= n
+        return need > self.blocks.num_free_blocks
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
@@ -108,7 +127,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            if request.num_rows >= request.params.max_rows:
+            if request.num_rows >= request.params.max_rows or request.num_pending <= 0:
                 i += 1  # its last row is in flight: it finishes when that row is read
                 continue
             n = min(request.num_pending, budget)

@@ -82,7 +82,7 @@ class ServiceSettings:
             allowed_origins=_split(env.get("CLONECAST_ALLOWED_ORIGINS")),
             max_num_seqs=int(env.get("CLONECAST_MAX_NUM_SEQS", 64)),
             cuda_graphs=env.get("CLONECAST_EAGER", "0") not in ("1", "true", "yes"),
-            gil_switch_ms=float(env.get("CLONECAST_GIL_SWITCH_MS", 0.5)),
+            gil_switch_ms=_positive_ms(env.get("CLONECAST_GIL_SWITCH_MS", "0.5")),
             limits=Limits(max_connections=int(env.get("CLONECAST_MAX_CONNECTIONS", 256))),
         )
         return replace(base, **{k: v for k, v in overrides.items() if v is not None})
@@ -90,3 +90,10 @@ class ServiceSettings:
 
 def _split(value: str | None) -> tuple[str, ...]:
     return tuple(v.strip() for v in (value or "").split(",") if v.strip())
+
+
+def _positive_ms(value: str) -> float:
+    ms = float(value)
+    if not 0 < ms <= 1000:
+        raise ValueError(f"CLONECAST_GIL_SWITCH_MS must be in (0, 1000] ms, got {value!r}")
+    return ms

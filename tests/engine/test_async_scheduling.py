@@ -97,3 +97,56 @@ def test_sample_buckets_cover_every_row_count():
         for n in range(1, max_rows + 1):
             b = next(b for b in buckets if b >= n)
             assert b - n < 8  # padding wastes at most 7 rows
+
+
+def test_async_scheduling_preempts_no_more_than_sync(tiny_ckpt):
+    """Short of KV blocks, rows in flight are read before scheduling (they may end requests
+    and free blocks), so asynchronous scheduling never preempts a request that synchronous
+    scheduling would have kept."""
+
+    def preemptions(async_scheduling: bool, num_kv_blocks: int) -> tuple[int, list]:
+        config = EngineConfig(
+            block_size=4,
+            max_num_seqs=4,
+            max_num_batched_tokens=48,
+            num_kv_blocks=num_kv_blocks,
+            async_scheduling=async_scheduling,
+        )
+        engine = Engine.from_pretrained(tiny_ckpt, config)
+        _force_eos(engine)
+        texts = ["hello world " * k for k in (1, 1, 2, 2)]
+        params = [SamplingParams(seed=i, max_rows=16) for i in range(4)]
+        results = engine.generate(texts, params=params, audio=False)
+        return engine.stats.num_preemptions, [r.rows for r in results]
+
+    preempted = 0
+    for num_kv_blocks in range(20, 36):
+        sync_count, sync_rows = preemptions(False, num_kv_blocks)
+        async_count, async_rows = preemptions(True, num_kv_blocks)
+        assert async_count == sync_count and async_rows == sync_rows, num_kv_blocks
+        preempted += sync_count
+    assert preempted > 0  # the cache sizes really were short
+
+
+def test_a_failure_while_reading_rows_ends_those_requests_and_the_engine_goes_on(tiny_ckpt):
+    engine = Engine.from_pretrained(tiny_ckpt, EngineConfig(block_size=4, max_num_seqs=4))
+    for i in range(2):
+        engine.add_request(f"f{i}", "fail soon", params=SamplingParams(seed=i, max_rows=30))
+    engine.step()
+    engine.step()
+    original = engine._append_rows
+
+    def broken(sampled):
+        engine._append_rows = original
+        raise RuntimeError("injected")
+
+    engine._append_rows = broken
+    with pytest.raises(RuntimeError, match="injected"):
+        while engine.has_unfinished():
+            engine.step()
+    # Both requests were in the step that failed to be read: both ended (as errors).
+    assert not engine.has_unfinished() and not engine.scheduler.requests
+    stats = engine.stats
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks  # nothing leaked
+    [after] = engine.generate(["still works"], params=SamplingParams(seed=9, max_rows=5))
+    assert after.finish_reason == "length" and len(after.rows) == 5
