@@ -160,6 +160,9 @@ class Engine:
             self.runner.graphs = CudaGraphs(self.runner)
             self.capture_reports.append(self.runner.graphs.capture())
         self.runner.sampler_graphs = SamplerGraphs(self.runner)
+        # Sharing the backbone pool: a sampler output may sit where a backbone graph keeps
+        # temporaries. Safe because each step copies it to pinned memory before the next
+        # backbone replay (same stream); nothing may read it later than that.
         pool = self.runner.graphs.pool if self.runner.graphs is not None else None
         self.capture_reports.append(self.runner.sampler_graphs.capture(pool))
         if self.codec is not None:

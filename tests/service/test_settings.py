@@ -1,0 +1,25 @@
+"""Service settings from CLONECAST_* environment variables (the only place they are read)."""
+
+from __future__ import annotations
+
+import pytest
+
+from service.config import ServiceSettings
+
+
+def test_gil_switch_interval_defaults_and_is_validated(monkeypatch):
+    monkeypatch.delenv("CLONECAST_GIL_SWITCH_MS", raising=False)
+    assert ServiceSettings.from_env().gil_switch_ms == 0.5
+    monkeypatch.setenv("CLONECAST_GIL_SWITCH_MS", "2")
+    assert ServiceSettings.from_env().gil_switch_ms == 2.0
+    for bad in ("0", "-1", "5000"):
+        monkeypatch.setenv("CLONECAST_GIL_SWITCH_MS", bad)
+        with pytest.raises(ValueError, match="CLONECAST_GIL_SWITCH_MS"):
+            ServiceSettings.from_env()
+
+
+def test_eager_flag_and_capacity(monkeypatch):
+    monkeypatch.setenv("CLONECAST_EAGER", "1")
+    monkeypatch.setenv("CLONECAST_MAX_NUM_SEQS", "128")
+    settings = ServiceSettings.from_env()
+    assert settings.cuda_graphs is False and settings.max_num_seqs == 128
