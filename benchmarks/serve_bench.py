@@ -203,7 +203,8 @@ def client_gap(records: list[Record]) -> float:
 
 
 class RunningSampler:
-    """Samples the server's running and waiting request gauges every 0.1 s in a thread."""
+    """Samples the server's running and waiting request gauges every 0.1 s in a thread;
+    `stop(start, end)` averages the samples taken in that window."""
 
     def __init__(self, port: int):
         import threading
@@ -217,16 +218,21 @@ class RunningSampler:
         url = f"http://127.0.0.1:{self.port}/metrics"
         while not self._stop.wait(0.1):
             text = urllib.request.urlopen(url).read().decode()
+            now = time.perf_counter()
             for line in text.splitlines():
                 if line.startswith("clonecast_num_requests_running "):
-                    self.values.append(float(line.split()[-1]))
+                    self.values.append((now, float(line.split()[-1])))
                 if line.startswith("clonecast_num_requests_waiting "):
-                    self.waiting.append(float(line.split()[-1]))
+                    self.waiting.append((now, float(line.split()[-1])))
 
-    def stop(self) -> tuple[float, float]:
+    def stop(self, start: float, end: float) -> tuple[float, float]:
         self._stop.set()
         self._thread.join()
-        mean = lambda v: statistics.fmean(v) if v else 0.0  # noqa: E731
+
+        def mean(samples):
+            inside = [v for t, v in samples if start <= t <= end]
+            return statistics.fmean(inside) if inside else 0.0
+
         return mean(self.values), mean(self.waiting)
 
 
@@ -312,14 +318,15 @@ def bench_server(args, eager: bool, out: Path) -> dict:
                 recs, every, end = asyncio.run(
                     run_load(url, voice, c, warmup, timed, seed=1000 * c + s)
                 )
-                running, waiting = sampler.stop()
+                running, waiting = sampler.stop(min(r.sent for r in recs), end)
                 s1, n1 = step_stats(port)
                 window = saturated(recs, every, end)
                 summary = summarise(recs, window)
                 summary["window"] = window
                 summary["mean_running"], summary["mean_waiting"] = running, waiting
                 print(
-                    f"C={c} start {s + 1}: mean running {running:.1f}, waiting {waiting:.1f}, "
+                    f"C={c} start {s + 1}: saturated window: mean running {running:.1f}, "
+                    f"waiting {waiting:.1f}, "
                     f"client gap "
                     f"{summary['client_gap_ms']:.1f} ms, saturated window {window[1]:.1f} s",
                     flush=True,
