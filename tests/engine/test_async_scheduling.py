@@ -27,16 +27,22 @@ def _force_eos(engine: Engine) -> None:
     sampler.sample = sample
 
 
-def _run(tiny_ckpt, async_scheduling: bool, num_kv_blocks: int | None = None):
+def _engine(tiny_ckpt, async_scheduling: bool, num_kv_blocks: int | None, max_num_seqs: int):
+    """Block size 4, a 48-token budget, EOS forced per request (see `_force_eos`)."""
     config = EngineConfig(
         block_size=4,
-        max_num_seqs=6,
+        max_num_seqs=max_num_seqs,
         max_num_batched_tokens=48,
         num_kv_blocks=num_kv_blocks,
         async_scheduling=async_scheduling,
     )
     engine = Engine.from_pretrained(tiny_ckpt, config)
     _force_eos(engine)
+    return engine
+
+
+def _run(tiny_ckpt, async_scheduling: bool, num_kv_blocks: int | None = None):
+    engine = _engine(tiny_ckpt, async_scheduling, num_kv_blocks, max_num_seqs=6)
     texts, refs, params = [], [], []
     for i in range(14):
         texts.append(f"request {i} " * (1 + i % 4))
@@ -105,15 +111,7 @@ def test_async_scheduling_preempts_no_more_than_sync(tiny_ckpt):
     scheduling would have kept."""
 
     def preemptions(async_scheduling: bool, num_kv_blocks: int) -> tuple[int, list]:
-        config = EngineConfig(
-            block_size=4,
-            max_num_seqs=4,
-            max_num_batched_tokens=48,
-            num_kv_blocks=num_kv_blocks,
-            async_scheduling=async_scheduling,
-        )
-        engine = Engine.from_pretrained(tiny_ckpt, config)
-        _force_eos(engine)
+        engine = _engine(tiny_ckpt, async_scheduling, num_kv_blocks, max_num_seqs=4)
         texts = ["hello world " * k for k in (1, 1, 2, 2)]
         params = [SamplingParams(seed=i, max_rows=16) for i in range(4)]
         results = engine.generate(texts, params=params, audio=False)

@@ -11,57 +11,28 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_serve_bench_smoke(tmp_path, model_cache):
+def _bench(tmp_path, model_cache, port: int, *extra: str) -> tuple[dict, str]:
+    """serve_bench at C = 2 (1 warm-up, 3 timed requests, one start): the pooled figures."""
     env = {**os.environ, "CLONECAST_CACHE_DIR": str(model_cache), "CLONECAST_DEVICE": "cpu"}
-    cmd = [
-        sys.executable,
-        "benchmarks/serve_bench.py",
-        "--concurrency",
-        "2",
-        "--requests",
-        "3",
-        "--warmup",
-        "1",
-        "--starts",
-        "1",
-        "--port",
-        "8811",
-        "--out",
-        str(tmp_path),
-    ]
+    cmd = [sys.executable, "benchmarks/serve_bench.py", *extra, "--concurrency", "2"]
+    cmd += ["--requests", "3", "--warmup", "1", "--starts", "1", "--port", str(port)]
+    cmd += ["--out", str(tmp_path)]
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     runs = json.loads((tmp_path / "serve_bench.json").read_text())
-    pool = runs["default"]["2"][-1]
+    return runs["default"]["2"][-1], result.stdout
+
+
+def test_serve_bench_smoke(tmp_path, model_cache):
+    pool, stdout = _bench(tmp_path, model_cache, 8811)
     assert pool["first_payloads"] == [15360]
     assert pool["audio_s_per_s"] > 0 and pool["ttfa_p50"] > 0
-    assert "pool" in result.stdout
+    assert "pool" in stdout
 
 
 def test_simulated_server_runs_the_same_protocol(tmp_path, model_cache):
     """`--sim`: the real service with the GPU work replaced by waits (benchmarks/sim_server.py).
     Steps of 20 + 0 ms: 2 clients of 3 requests each need at least 15 steps to first audio."""
-    env = {**os.environ, "CLONECAST_CACHE_DIR": str(model_cache), "CLONECAST_DEVICE": "cpu"}
-    cmd = [
-        sys.executable,
-        "benchmarks/serve_bench.py",
-        "--sim",
-        "--step-ms 20+0 --codec-ms 1",
-        "--concurrency",
-        "2",
-        "--requests",
-        "3",
-        "--warmup",
-        "1",
-        "--starts",
-        "1",
-        "--port",
-        "8813",
-        "--out",
-        str(tmp_path),
-    ]
-    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout + result.stderr
-    pool = json.loads((tmp_path / "serve_bench.json").read_text())["default"]["2"][-1]
+    pool, _ = _bench(tmp_path, model_cache, 8813, "--sim", "--step-ms 20+0 --codec-ms 1")
     assert pool["first_payloads"] == [15360]
     assert pool["ttfa_mean"] >= 15 * 20  # the simulated step time really paces the engine
