@@ -257,10 +257,14 @@ class Engine:
         return True
 
     def has_unfinished(self) -> bool:
+        self._drop_ended_in_flight()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
+
+    def _drop_ended_in_flight(self) -> None:
+        """Forgets the step in flight once every request in it has ended (nothing to read)."""
         pending = self._in_flight
         if pending is not None and all(r.is_finished for r in pending.requests):
-            self._in_flight = pending = None  # nothing left to read from it
-        return self.scheduler.has_unfinished() or pending is not None
+            self._in_flight = None
 
     def rows(self, request_id: str) -> list[AudioRow]:
         """Rows generated so far by an unfinished request."""
@@ -428,7 +432,7 @@ class Engine:
                         str(out.finish_reason),
                         b"".join(pcm[out.request_id]),
                     )
-        self.has_unfinished()  # lets go of a last in-flight step whose requests all ended
+        self._drop_ended_in_flight()
         return [results[rid] for rid in ids]
 
     @property

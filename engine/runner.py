@@ -117,10 +117,8 @@ class ModelRunner:
         cuda = self.device.type == "cuda"
         # Two staging buffers and two result buffers, used by alternate steps (on the CPU the
         # one staging buffer is the input buffer itself).
-        staging = [torch.zeros(self.layout.total, dtype=torch.long, pin_memory=cuda)]
-        self._hosts = (
-            staging * 2 if not cuda else staging + [torch.zeros_like(staging[0]).pin_memory()]
-        )
+        first = torch.zeros(self.layout.total, dtype=torch.long, pin_memory=cuda)
+        self._hosts = [first, torch.zeros_like(first).pin_memory() if cuda else first]
         self._host_nps = [h.numpy() for h in self._hosts]
         self._outs = [
             torch.zeros(config.max_num_seqs, NUM_CODEBOOKS + 1, dtype=torch.long, pin_memory=cuda)
@@ -130,7 +128,7 @@ class ModelRunner:
         # its last copy left it.
         self._copied = [torch.cuda.Event() for _ in range(2)] if cuda else None
         self._k = 0
-        self.inputs = staging[0] if not cuda else torch.zeros_like(staging[0], device=self.device)
+        self.inputs = torch.zeros_like(first, device=self.device) if cuda else first
         self.pad_slot = config.max_num_seqs  # sampler state of padding rows
         self.delay = DelayState(config.max_num_seqs + 1, self.device)
         self.sampler = Sampler(config.max_num_seqs + 1, self.device)
@@ -177,10 +175,6 @@ class ModelRunner:
         self._prompt_arrays.pop(request.request_id, None)
 
     # -- one step ----------------------------------------------------------------------------
-
-    def execute(self, sched: SchedulerOutput) -> SampledRows:
-        """Runs one step and waits for its rows."""
-        return self.launch(sched).result()
 
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput) -> PendingStep:

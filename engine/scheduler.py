@@ -106,14 +106,22 @@ class Scheduler:
         for request in self.running:
             if budget <= 0:
                 break
-            if request.num_rows >= request.params.max_rows:
-                continue
-            n = min(request.num_pending, budget)
-            need += max(
-                0, self.blocks.blocks_needed(request.num_computed + n) - len(request.block_ids)
-            )
+            n = self._running_chunk(request, budget)
+            need += max(0, self._blocks_short(request, n))
             budget -= n
         return need > self.blocks.num_free_blocks
+
+    @staticmethod
+    def _running_chunk(request: Request, budget: int) -> int:
+        """Positions a running request computes next (0: skip it; its last row is in
+        flight and it finishes when that row is read)."""
+        if request.num_rows >= request.params.max_rows:
+            return 0
+        return max(0, min(request.num_pending, budget))
+
+    def _blocks_short(self, request: Request, n: int) -> int:
+        """Blocks the request lacks to compute `n` more positions."""
+        return self.blocks.blocks_needed(request.num_computed + n) - len(request.block_ids)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -127,11 +135,11 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            if request.num_rows >= request.params.max_rows or request.num_pending <= 0:
-                i += 1  # its last row is in flight: it finishes when that row is read
+            n = self._running_chunk(request, budget)
+            if n == 0:
+                i += 1
                 continue
-            n = min(request.num_pending, budget)
-            need = self.blocks.blocks_needed(request.num_computed + n) - len(request.block_ids)
+            need = self._blocks_short(request, n)
             while need > self.blocks.num_free_blocks:
                 victim = self.running[-1]
                 self._preempt(victim)

@@ -17,11 +17,11 @@ class HiddenRecorder:
         engine.model.register_forward_hook(self._hook)
         original = engine.runner.launch
 
-        def execute(sched):
+        def launch(sched):
             self._pending = [(c.request.request_id, c.start, c.num_tokens) for c in sched.chunks]
             return original(sched)
 
-        engine.runner.launch = execute
+        engine.runner.launch = launch
 
     def _hook(self, module, args, output):
         self.steps.append((self._pending, output.detach().float().cpu()))
