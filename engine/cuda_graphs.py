@@ -80,6 +80,19 @@ def measured_capture(family: str) -> Iterator[CaptureReport]:
     )
 
 
+def capture_graph(fn, pool=None) -> tuple[torch.cuda.CUDAGraph, object]:
+    """`fn()` captured as a CUDA graph: two eager calls first (compile kernels, settle the
+    allocator outside the capture), then the capture. Returns the graph and `fn`'s static
+    output, which every replay overwrites."""
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return graph, out
+
+
 class CudaGraphs:
     """Decode-only graphs for buckets up to max_num_seqs, mixed graphs for every bucket."""
 
@@ -128,12 +141,9 @@ class CudaGraphs:
         num_seqs = min(bucket, runner.config.max_num_seqs)  # a step has at most one per token
         runner.load_dummy_batch(q_lens, padded_tokens=bucket, padded_seqs=num_seqs)
         max_len = runner.config.max_model_len
-        for _ in range(2):  # compile kernels and settle the allocator outside the capture
-            runner.forward(bucket, num_seqs, bound, max_len)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            hidden = runner.forward(bucket, num_seqs, bound, max_len)
+        graph, hidden = capture_graph(
+            lambda: runner.forward(bucket, num_seqs, bound, max_len), self.pool
+        )
         return CapturedGraph(graph, bucket, num_seqs, bound, hidden)
 
 
@@ -167,12 +177,7 @@ class SamplerGraphs:
         with measured_capture("sampler") as report:
             for rows in sorted(runner.sample_buckets, reverse=True):
                 runner.load_dummy_samples(rows)
-                for _ in range(2):
-                    runner.sample(rows)
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    packed = runner.sample(rows)
+                graph, packed = capture_graph(lambda rows=rows: runner.sample(rows), pool)
                 self.graphs[rows] = CapturedSampler(graph, rows, packed)
             runner.delay.reset(runner.pad_slot)
             report.num_graphs, report.shapes = len(self.graphs), list(self.graphs)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from engine.codec.decoder import CodecDecoder
-from engine.cuda_graphs import CaptureReport, measured_capture
+from engine.cuda_graphs import CaptureReport, capture_graph, measured_capture
 
 
 class CodecGraphs:
@@ -36,12 +36,7 @@ class CodecGraphs:
         with measured_capture("codec") as report:
             for b, t in self.shapes:
                 codes = torch.zeros(b, 8, t, dtype=torch.long, device=device)
-                for _ in range(2):
-                    self.decoder(codes)
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    audio = self.decoder(codes)
+                graph, audio = capture_graph(lambda codes=codes: self.decoder(codes), pool)
                 self.graphs[(b, t)] = (graph, codes, audio)
             report.num_graphs, report.shapes = len(self.graphs), list(self.graphs)
         self.report = report
