@@ -405,22 +405,9 @@ def main() -> None:
 
 
 def write_full(path: Path) -> None:
-    if (path / "config.json").is_file():
-        return
-    import torch
+    from engine.checkpoint_writer import write_full_size_checkpoint
 
-    from engine.checkpoint_writer import FULL_TEXT_CONFIG, write_checkpoint
-    from engine.codec.config import STANDARD_CODEC_CONFIG
-
-    write_checkpoint(
-        path,
-        FULL_TEXT_CONFIG,
-        seed=11,
-        max_shard_bytes=4 << 30,
-        device="cuda",
-        dtype=torch.bfloat16,
-        codec_config=STANDARD_CODEC_CONFIG,
-    )
+    write_full_size_checkpoint(path)
 
 
 ROW = (

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from engine.codec.config import TINY_CODEC_CONFIG
+from engine.codec.config import STANDARD_CODEC_CONFIG, TINY_CODEC_CONFIG
 from engine.config import ADDED_TOKENS, CODEBOOK_SIZE, NUM_CODEBOOKS
 from engine.loader import (
     AUDIO_TABLE_KEY,
@@ -196,6 +196,23 @@ def random_weights(
             else:
                 tensors[key] = norm(d if "_norm." in sub and "self_attn" in sub else h)
     return tensors
+
+
+def write_full_size_checkpoint(directory: Path, *, with_codec: bool = True) -> Path:
+    """The Higgs v3 4B shape with random bf16 weights, made on the GPU (about 8 GB in two
+    shards), with a random codec of the published size unless `with_codec=False`: what the
+    GPU tests and benchmarks load. A directory that already holds a checkpoint is kept."""
+    if (directory / "config.json").is_file():
+        return directory
+    return write_checkpoint(
+        directory,
+        FULL_TEXT_CONFIG,
+        seed=11,
+        max_shard_bytes=4 << 30,
+        device="cuda",
+        dtype=torch.bfloat16,
+        codec_config=STANDARD_CODEC_CONFIG if with_codec else None,
+    )
 
 
 def write_checkpoint(

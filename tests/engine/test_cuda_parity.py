@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from engine import Engine, EngineConfig, SamplingParams
-from engine.checkpoint_writer import FULL_TEXT_CONFIG, write_checkpoint
+from engine.checkpoint_writer import write_full_size_checkpoint
 from tests.engine.parity import HiddenRecorder, check_all_chunks
 from tests.engine.reference import ReferenceModel
 from tests.engine.test_parity import make_reference, run
@@ -77,17 +77,8 @@ def test_bf16_parity_small_model(tiny_ckpt):
 @pytest.fixture(scope="module")
 def full_ckpt(tmp_path_factory):
     given = os.environ.get("CLONECAST_FULL_CKPT")
-    if given and (Path(given) / "config.json").is_file():
-        return Path(given)
     path = Path(given) if given else tmp_path_factory.mktemp("full-ckpt")
-    return write_checkpoint(
-        path,
-        FULL_TEXT_CONFIG,
-        seed=11,
-        max_shard_bytes=4 << 30,
-        device="cuda",
-        dtype=torch.bfloat16,
-    )
+    return write_full_size_checkpoint(path, with_codec=False)
 
 
 def test_bf16_parity_full_size_checkpoint(full_ckpt):
