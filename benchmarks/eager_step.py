@@ -24,19 +24,25 @@ def floor_ms(batch: int, context: int) -> float:
     return (WEIGHT_BYTES + batch * context * KV_BYTES_PER_TOKEN) / BANDWIDTH * 1e3
 
 
-def time_batch(engine: Engine, batch: int, context: int, steps: int) -> float:
-    rng = random.Random(batch)
-    frames = context - 40  # clone prompt: ~33 text positions + (frames + 7) placeholders
-    codes = tuple(tuple(rng.randrange(1024) for _ in range(8)) for _ in range(frames))
+def _add_batch(engine: Engine, prefix: str, batch: int, context: int, max_rows: int, seed: int):
+    """`batch` clone requests whose prompts are about `context` positions long (~33 text
+    positions + frames + 7 placeholders), codes only: the backbone step alone (the codec has
+    its own benchmark)."""
+    rng = random.Random(seed)
+    codes = tuple(tuple(rng.randrange(1024) for _ in range(8)) for _ in range(context - 40))
     voice = VoiceReference(codes, "a reference transcript")
     for i in range(batch):
         engine.add_request(
-            f"b{batch}-{i}",
+            f"{prefix}-{i}",
             "Timing the decode step of the engine.",
             reference=voice,
-            params=SamplingParams(seed=i, max_rows=steps + 20),
-            audio=False,  # the backbone step alone (the codec has its own benchmark)
+            params=SamplingParams(seed=i, max_rows=max_rows),
+            audio=False,
         )
+
+
+def time_batch(engine: Engine, batch: int, context: int, steps: int) -> float:
+    _add_batch(engine, f"b{batch}", batch, context, steps + 20, seed=batch)
     while (
         any(r.num_computed < len(r.prompt) for r in engine.scheduler.running)
         or engine.scheduler.waiting
@@ -110,16 +116,7 @@ def profile_step(engine: Engine, batch: int, context: int, path: str) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     time_batch(engine, batch, context, 2)  # leaves nothing running; set up a fresh batch
-    rng = random.Random(0)
-    codes = tuple(tuple(rng.randrange(1024) for _ in range(8)) for _ in range(context - 40))
-    voice = VoiceReference(codes, "a reference transcript")
-    for i in range(batch):
-        engine.add_request(
-            f"p{i}",
-            "Timing the decode step of the engine.",
-            reference=voice,
-            params=SamplingParams(seed=i, max_rows=60),
-        )
+    _add_batch(engine, "p", batch, context, 60, seed=0)
     for _ in range(20):
         engine.step()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -130,7 +127,7 @@ def profile_step(engine: Engine, batch: int, context: int, path: str) -> None:
         f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40))
         f.write(prof.key_averages().table(sort_by="cpu_time_total", row_limit=30))
     for i in range(batch):
-        engine.abort(f"p{i}")
+        engine.abort(f"p-{i}")
 
 
 if __name__ == "__main__":

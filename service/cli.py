@@ -32,13 +32,7 @@ def _device(requested: str | None) -> str:
 
 def generate(args: argparse.Namespace) -> int:
     engine = _engine(args)
-    params = SamplingParams(
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-        max_rows=args.max_rows,
-    )
+    params = _params(args)
     t0 = time.perf_counter()
     [result] = engine.generate([args.text], params=params, audio=False)
     seconds = time.perf_counter() - t0
@@ -85,13 +79,7 @@ def synthesize(args: argparse.Namespace) -> int:
             f"reference: {len(reference.codes)} frames encoded in {time.perf_counter() - t0:.2f} s",
             file=sys.stderr,
         )
-    params = SamplingParams(
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-        max_rows=args.max_rows,
-    )
+    params = _params(args)
     engine.add_request("cli", args.text, reference=reference, params=params, audio=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -133,6 +121,16 @@ def synthesize(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def _params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        max_rows=args.max_rows,
+    )
 
 
 def _add_common(p: argparse.ArgumentParser, max_rows: int) -> None:
