@@ -69,10 +69,15 @@ def _engine(args: argparse.Namespace, max_num_seqs: int = 4) -> Engine:
 
 
 def synthesize(args: argparse.Namespace) -> int:
+    data = None
+    if args.reference:  # read before the model loads: a wrong path fails at once
+        try:
+            data = Path(args.reference).read_bytes()
+        except OSError as exc:
+            raise ConfigError(f"cannot read the reference recording: {exc}") from exc
     engine = _engine(args)
     reference = None
-    if args.reference:
-        data = Path(args.reference).read_bytes()
+    if data is not None:
         t0 = time.perf_counter()
         reference = engine.encode_reference(data, args.transcript)
         print(

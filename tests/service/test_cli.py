@@ -37,3 +37,30 @@ def test_generate_rejects_bad_parameters_clearly(tmp_path):
     r = _run(["generate", "--text", "x", "--top-p", "0"], tmp_path)
     assert r.returncode == 2
     assert "top_p must be in (0, 1]" in r.stderr
+
+
+def test_synthesize_writes_a_wav_of_the_streamed_audio(tmp_path):
+    """`clonecast synthesize` with a reference recording: a 24 kHz mono WAV whose length is
+    the streamed frames of `--max-rows` rows (rows - 7 lag - 1 terminal frame, 40 ms each)."""
+    import numpy as np
+    import soundfile as sf
+
+    ref = tmp_path / "ref.wav"
+    t = np.arange(48000) / 24000
+    sf.write(ref, (0.3 * np.sin(2 * np.pi * 160 * t)).astype(np.float32), 24000)
+    out = tmp_path / "speech.wav"
+    args = ["synthesize", "--text", "Hello there.", "--reference", str(ref), "--max-rows", "30"]
+    r = _run([*args, "--seed", "3", "--out", str(out)], tmp_path)
+    assert r.returncode == 0, r.stderr
+    audio, rate = sf.read(out, dtype="int16")
+    assert rate == 24000 and audio.ndim == 1
+    assert len(audio) == (30 - 7 - 1) * 960
+    r = _run(["synthesize", "--text", "x", "--top-p", "0", "--out", str(out)], tmp_path)
+    assert r.returncode != 0 and "top_p" in r.stderr
+    missing = ["synthesize", "--text", "x", "--reference", str(tmp_path / "none.wav")]
+    r = _run(missing, tmp_path)
+    assert r.returncode == 2 and "cannot read the reference recording" in r.stderr
+    assert "Traceback" not in r.stderr
+    (tmp_path / "bad.wav").write_bytes(b"not audio at all")
+    r = _run(["synthesize", "--text", "x", "--reference", str(tmp_path / "bad.wav")], tmp_path)
+    assert r.returncode == 2 and "could not be decoded" in r.stderr
