@@ -1,17 +1,38 @@
 #!/usr/bin/env bash
-# One call on the H200: environment report, the whole test suite (CUDA tests included), then
-# the decode-step table and the codec throughput table. Logs go to $OUT; the short tables
-# print last. The full-size random checkpoint (with its codec) is written once to /tmp/full-codec.
+# One call on the H200 that checks and times what is asked of it; logs go to $OUT and the
+# short tables print last. The full-size random checkpoint (with its codec) is written once
+# to /tmp/full-codec. Parts, by environment variable:
+#   PYTEST_ARGS  tests to run (default: the whole suite; "" skips them)
+#   STEP_ARGS    extra arguments of the decode-step table (STEP=0 skips it)
+#   SKIP_CODEC=1 skips the codec throughput table
+#   LOOP=1       the engine alone under the served load, async vs sync (LOOP_C: concurrencies)
+#   SERVE=1      a reduced served run (SERVE_C: concurrencies, SERVE_N: timed requests)
+#   GEMM=1       the cuBLAS GEMM table (GEMM_B: batch sizes)
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 # Packages the GPU image lacks travel as wheels in .whl (see .library device README).
 if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
+  python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null && export PYTHONPATH=/tmp/site:$PWD
 fi
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+CKPT=/tmp/full-codec
 python3 -c "import sys, torch, transformers, triton; print(sys.version.split()[0], torch.__version__, transformers.__version__, triton.__version__, torch.cuda.get_device_name())" | tee "$OUT/env.txt"
-python3 -c "from pathlib import Path; from benchmarks.serve_bench import write_full; write_full(Path('/tmp/full-codec'))"
-export CLONECAST_FULL_CKPT=/tmp/full-codec
-python3 -m pytest -q -rs -p no:cacheprovider ${PYTEST_ARGS:-tests} -s 2>&1 | tee "$OUT/tests.log" | grep -E "passed|failed|error|worst|rel err|FAILED|Error" | tail -20
-python3 benchmarks/eager_step.py --ckpt /tmp/full-codec --profile "$OUT/profile.txt" ${STEP_ARGS:-} 2>&1 | tee "$OUT/eager_step.log" | tail -14
+python3 -c "from pathlib import Path; from engine.checkpoint_writer import write_full_size_checkpoint as w; w(Path('$CKPT'))"
+export CLONECAST_FULL_CKPT=$CKPT
+TESTS=${PYTEST_ARGS-tests}
+if [ -n "$TESTS" ]; then
+  python3 -m pytest -q -rs -p no:cacheprovider $TESTS -s 2>&1 | tee "$OUT/tests.log" | grep -E "passed|failed|error|worst|rel err|FAILED|Error" | tail -20
+fi
+if [ "${LOOP:-0}" = 1 ]; then
+  timeout 300 python3 benchmarks/engine_loop.py --model $CKPT --concurrency ${LOOP_C:-1,32,64} --warmup-s 4 --timed-s 6 --profile "$OUT/loop_profile.txt" 2>&1 | tee "$OUT/engine_loop.log" | grep -v "^{" | tail -9
+fi
+if [ "${SERVE:-0}" = 1 ]; then
+  timeout 300 python3 benchmarks/serve_bench.py --model $CKPT --concurrency ${SERVE_C:-1,64} --requests ${SERVE_N:-0} --warmup -1 --starts 1 --out "$OUT/serve" 2>&1 | tail -6
+fi
+if [ "${GEMM:-0}" = 1 ]; then
+  timeout 200 python3 benchmarks/gemm_shapes.py --batches ${GEMM_B:-1,64,128} 2>&1 | tee "$OUT/gemm.log" | tail -17
+fi
+if [ "${STEP:-1}" = 1 ]; then
+  python3 benchmarks/eager_step.py --ckpt $CKPT --profile "$OUT/profile.txt" ${STEP_ARGS:-} 2>&1 | tee "$OUT/eager_step.log" | tail -14
+fi
 [ -n "${SKIP_CODEC:-}" ] || python3 benchmarks/codec_throughput.py 2>&1 | tee "$OUT/codec_throughput.log" | tail -26
