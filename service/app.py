@@ -179,7 +179,8 @@ def _settle_garbage_collector() -> None:
     """Once everything is loaded: the start-up objects (model, tokenizer, graphs) move to
     the permanent generation, and young collections run less often. Without this, a full
     collection now and then scans every request's rows and stalls one engine step by several
-    milliseconds (measured: 1.7 -> 7.9 ms of a 256-stream step's host work)."""
+    milliseconds (measured on the CPU: a step's row bookkeeping at 256 streams took 7.9 ms
+    with a full collection in it, 0.9 ms without; docs/PERFORMANCE.md)."""
     gc.collect()
     gc.freeze()
     gc.set_threshold(20_000, 20, 20)
