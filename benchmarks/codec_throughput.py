@@ -1,8 +1,9 @@
-"""Codec decode time on the GPU at the published codec size (random weights): our decoder in
-fp32 (with and without TF32 convolutions) and bf16, next to transformers' decode, for the
-shapes streaming uses: (b, 8) first chunks and (b, 33) steady windows.
+"""Codec decode time on the GPU at the published codec size (random weights), eager and
+replayed from a CUDA graph (as serving runs it): our decoder in fp32 with TF32 convolutions
+(the serving default), with the fused Triton Snake, with cuDNN autotuning, and in bf16, for
+the shapes streaming uses: (b, 8) first chunks and (b, 33) steady windows (25 new frames).
 
-    python benchmarks/codec_throughput.py [--batches 1,32,64]
+    python benchmarks/codec_throughput.py [--shapes 1x8,1x33,4x33,64x8,64x33] [--reference]
 """
 
 from __future__ import annotations
@@ -32,34 +33,60 @@ def time_ms(fn, iters: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def graphed(fn, codes):
+    """fn(codes) captured in a CUDA graph (after warm-up on a side stream), as serving runs it."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.inference_mode():
+        for _ in range(2):
+            fn(codes)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), torch.inference_mode():
+        fn(codes)
+    return graph.replay
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--batches", default="1,32,64")
+    ap.add_argument("--shapes", default="1x8,1x33,4x33,64x8,64x33")
+    ap.add_argument("--reference", action="store_true", help="also time transformers' decode")
     args = ap.parse_args()
     cuda = torch.device("cuda")
     with tempfile.TemporaryDirectory() as tmp:
         cfg, state = load_codec_state(write_codec_dir(Path(tmp), STANDARD_CODEC_CONFIG, 9))
-    ref = build_reference_model(cfg, state, cuda)
+    # name -> (decoder, TF32 convolutions, cuDNN autotuning)
     variants = {
-        "ours fp32": (build_decoder(cfg, state, cuda, torch.float32), False),
-        "ours fp32+tf32": (build_decoder(cfg, state, cuda, torch.float32), True),
-        "ours bf16": (build_decoder(cfg, state, cuda, torch.bfloat16), False),
-        "transformers fp32": (lambda c: ref.decode(c, return_dict=False), False),
+        "fp32+tf32": (build_decoder(cfg, state, cuda, torch.float32), True, False),
+        "fp32+tf32 snake": (build_decoder(cfg, state, cuda, torch.float32, True), True, False),
+        "fp32+tf32 snake tuned": (
+            build_decoder(cfg, state, cuda, torch.float32, True),
+            True,
+            True,
+        ),
+        "bf16 snake tuned": (build_decoder(cfg, state, cuda, torch.bfloat16, True), False, True),
     }
+    if args.reference:
+        ref = build_reference_model(cfg, state, cuda)
+        variants["transformers fp32"] = (lambda c: ref.decode(c, return_dict=False), True, False)
     rows = []
-    for b in (int(x) for x in args.batches.split(",")):
-        for frames, keep in ((8, 8), (33, 25)):
-            codes = torch.randint(0, 1024, (b, 8, frames), device=cuda)
-            for name, (fn, tf32) in variants.items():
-                torch.backends.cudnn.allow_tf32 = tf32
-                with torch.inference_mode():
-                    ms = time_ms(lambda fn=fn, codes=codes: fn(codes))
-                rows.append((name, b, frames, ms, b * keep * 0.04 / (ms / 1e3)))
-    torch.backends.cudnn.allow_tf32 = True
+    for shape in args.shapes.split(","):
+        b, frames = (int(x) for x in shape.split("x"))
+        keep = frames if frames <= 8 else frames - 8
+        codes = torch.randint(0, 1024, (b, 8, frames), device=cuda)
+        for name, (fn, tf32, tuned) in variants.items():
+            torch.backends.cudnn.allow_tf32 = tf32
+            torch.backends.cudnn.benchmark = tuned
+            with torch.inference_mode():
+                eager = time_ms(lambda fn=fn, codes=codes: fn(codes))
+            graph = time_ms(graphed(fn, codes))
+            rows.append((name, b, frames, eager, graph, b * keep * 0.04 / (graph / 1e3)))
+    torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark = True, False
     print(f"\ncodec decode, {torch.cuda.get_device_name()}, median of 20")
-    print(f"{'variant':<20}{'batch':>6}{'frames':>7}{'ms':>9}{'audio-s/s':>11}")
-    for name, b, f, ms, rate in rows:
-        print(f"{name:<20}{b:>6}{f:>7}{ms:>9.2f}{rate:>11.0f}")
+    head = ("variant", "batch", "frames", "eager ms", "graph ms", "audio-s/s")
+    print("{:<24}{:>6}{:>7}{:>10}{:>10}{:>11}".format(*head))
+    for name, b, f, eager, graph, rate in rows:
+        print(f"{name:<24}{b:>6}{f:>7}{eager:>10.2f}{graph:>10.2f}{rate:>11.0f}")
 
 
 if __name__ == "__main__":

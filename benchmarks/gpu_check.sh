@@ -2,12 +2,14 @@
 # One call on the H200 that checks and times what is asked of it; logs go to $OUT and the
 # short tables print last. The full-size random checkpoint (with its codec) is written once
 # to /tmp/full-codec. Parts, by environment variable:
-#   PYTEST_ARGS  tests to run (default: the whole suite; "" skips them)
-#   STEP_ARGS    extra arguments of the decode-step table (STEP=0 skips it)
+#   ATTN=1       the attention kernel sweep (benchmarks/attention_shapes.py)
+#   GEMM=1       the cuBLAS / Triton GEMV table (GEMM_B: batch sizes)
 #   SKIP_CODEC=1 skips the codec throughput table
+#   PYTEST_ARGS  tests to run (default: the whole suite; "" skips them)
 #   LOOP=1       the engine alone under the served load, async vs sync (LOOP_C: concurrencies)
 #   SERVE=1      a reduced served run (SERVE_C: concurrencies, SERVE_N: timed requests)
-#   GEMM=1       the cuBLAS GEMM table (GEMM_B: batch sizes)
+#   STEP_ARGS    extra arguments of the decode-step table (STEP=0 skips it)
+# Each part has its own time limit, so one slow part cannot eat the whole call.
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 # Packages the GPU image lacks travel as wheels in .whl (see .library device README).
@@ -19,9 +21,16 @@ CKPT=/tmp/full-codec
 python3 -c "import sys, torch, transformers, triton; print(sys.version.split()[0], torch.__version__, transformers.__version__, triton.__version__, torch.cuda.get_device_name())" | tee "$OUT/env.txt"
 python3 -c "from pathlib import Path; from engine.checkpoint_writer import write_full_size_checkpoint as w; w(Path('$CKPT'))"
 export CLONECAST_FULL_CKPT=$CKPT
+if [ "${ATTN:-0}" = 1 ]; then
+  timeout 240 python3 benchmarks/attention_shapes.py 2>&1 | tee "$OUT/attention.log" | tail -12
+fi
+if [ "${GEMM:-0}" = 1 ]; then
+  timeout 200 python3 benchmarks/gemm_shapes.py --batches ${GEMM_B:-1,4,64} 2>&1 | tee "$OUT/gemm.log" | grep -v "^(" | tail -17
+fi
+[ -n "${SKIP_CODEC:-}" ] || timeout 150 python3 benchmarks/codec_throughput.py 2>&1 | tee "$OUT/codec_throughput.log" | tail -24
 TESTS=${PYTEST_ARGS-tests}
 if [ -n "$TESTS" ]; then
-  python3 -m pytest -q -rs -p no:cacheprovider $TESTS -s 2>&1 | tee "$OUT/tests.log" | grep -E "passed|failed|error|worst|rel err|FAILED|Error" | tail -20
+  timeout ${TESTS_LIMIT:-400} python3 -m pytest -q -rs -p no:cacheprovider $TESTS -s 2>&1 | tee "$OUT/tests.log" | grep -E "passed|failed|error|worst|rel err|FAILED|Error" | tail -20
 fi
 if [ "${LOOP:-0}" = 1 ]; then
   timeout 300 python3 benchmarks/engine_loop.py --model $CKPT --concurrency ${LOOP_C:-1,32,64} --warmup-s 4 --timed-s 6 --profile "$OUT/loop_profile.txt" 2>&1 | tee "$OUT/engine_loop.log" | grep -v "^{" | tail -9
@@ -29,10 +38,6 @@ fi
 if [ "${SERVE:-0}" = 1 ]; then
   timeout 300 python3 benchmarks/serve_bench.py --model $CKPT --concurrency ${SERVE_C:-1,64} --requests ${SERVE_N:-0} --warmup -1 --starts 1 --out "$OUT/serve" 2>&1 | tail -6
 fi
-if [ "${GEMM:-0}" = 1 ]; then
-  timeout 200 python3 benchmarks/gemm_shapes.py --batches ${GEMM_B:-1,64,128} 2>&1 | tee "$OUT/gemm.log" | tail -17
-fi
 if [ "${STEP:-1}" = 1 ]; then
-  python3 benchmarks/eager_step.py --ckpt $CKPT --profile "$OUT/profile.txt" ${STEP_ARGS:-} 2>&1 | tee "$OUT/eager_step.log" | tail -14
+  timeout 200 python3 benchmarks/eager_step.py --ckpt $CKPT --profile "$OUT/profile.txt" ${STEP_ARGS:-} 2>&1 | tee "$OUT/eager_step.log" | tail -14
 fi
-[ -n "${SKIP_CODEC:-}" ] || python3 benchmarks/codec_throughput.py 2>&1 | tee "$OUT/codec_throughput.log" | tail -26

@@ -160,7 +160,7 @@ class EngineConfig:
     kv_cache_memory_fraction: float = 0.6
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # auto: triton on CUDA, torch on the CPU
-    fused_kernels: bool = True  # Triton norm/RoPE/SiLU kernels on CUDA; False: plain torch
+    fused_kernels: bool = True  # Triton norm/RoPE/SiLU and codec Snake on CUDA; False: torch
     cuda_graphs: bool = True  # FULL backbone graphs (CUDA with the Triton backend); False: eager
     # The host schedules and launches step N+1 before it reads step N's rows (one step in
     # flight); False: each step's rows are read before the next step is scheduled.

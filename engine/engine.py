@@ -462,7 +462,8 @@ def _load_codec(path: Path, config: EngineConfig, device: torch.device, required
         dtype = (
             getattr(torch, config.codec_dtype) if config.codec_dtype != "auto" else torch.float32
         )
-        return Codec.load(path, device, dtype, config.voice_cache_bytes)
+        fused = device.type == "cuda" and config.fused_kernels
+        return Codec.load(path, device, dtype, config.voice_cache_bytes, fused)
     except ConfigError as exc:
         if required:
             raise

@@ -25,6 +25,15 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _load_k(k_ptr, offs, d, n_ok, K_ROWS: tl.constexpr):
+    """K tile as `[D, N]` for `q @ k`: loaded either as it lies (`[N, D]` rows of one token,
+    then transposed) or directly transposed; which is faster is a tuning knob."""
+    if K_ROWS:
+        return tl.trans(tl.load(k_ptr + offs[:, None] + d[None, :], mask=n_ok[:, None], other=0.0))
+    return tl.load(k_ptr + offs[None, :] + d[:, None], mask=n_ok[None, :], other=0.0)
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr,
     k_ptr,
@@ -47,6 +56,7 @@ def _paged_attention_kernel(
     PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    K_ROWS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     mblock = tl.program_id(1)
@@ -79,7 +89,7 @@ def _paged_attention_kernel(
         n_ok = n < kv_end
         page = tl.load(bt_ptr + seq * stride_bt + n // PAGE, mask=n_ok, other=0)
         offs = page.to(tl.int64) * stride_kb + (n % PAGE) * stride_ks + kv_head * stride_kh
-        k = tl.load(k_ptr + offs[None, :] + d[:, None], mask=n_ok[None, :], other=0.0)  # [D, N]
+        k = _load_k(k_ptr, offs, d, n_ok, K_ROWS)
         s = tl.dot(q, k) * qk_scale
         s = tl.where((n[None, :] <= q_pos[:, None]) & n_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -121,6 +131,7 @@ def _decode_split_kernel(
     PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLITS: tl.constexpr,
+    K_ROWS: tl.constexpr,
 ):
     # Decode rows only (one query token per sequence): KV range split over SPLITS programs.
     seq = tl.program_id(0)
@@ -150,7 +161,7 @@ def _decode_split_kernel(
         n_ok = n < hi
         page = tl.load(bt_ptr + seq * stride_bt + n // PAGE, mask=n_ok, other=0)
         offs = page.to(tl.int64) * stride_kb + (n % PAGE) * stride_ks + kv_head * stride_kh
-        k = tl.load(k_ptr + offs[None, :] + d[:, None], mask=n_ok[None, :], other=0.0)
+        k = _load_k(k_ptr, offs, d, n_ok, K_ROWS)
         s = tl.where(n_ok[None, :], tl.dot(q, k) * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -212,10 +223,14 @@ def paged_decode_attention(
     splits: int,
     out=None,
     block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    k_rows: bool = False,
 ):
     """Decode rows only (every sequence has 0 or 1 query token), split-KV: `splits` programs
     per (sequence, KV head) each take a slice of the context; a second launch combines them.
-    The launch depends on the number of sequences, never on their lengths."""
+    The launch depends on the number of sequences, never on their lengths. block_n /
+    num_warps / num_stages / k_rows are tuning knobs (benchmarks/attention_shapes.py)."""
     num_seqs = seq_lens.shape[0]
     _, hq, d = q.shape
     page, hkv = k_cache.shape[1], k_cache.shape[2]
@@ -245,6 +260,9 @@ def paged_decode_attention(
         PAGE=page,
         BLOCK_N=max(block_n, page),
         SPLITS=splits,
+        K_ROWS=k_rows,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     _decode_reduce_kernel[(num_seqs, hq)](
         part_o,
@@ -280,9 +298,11 @@ def paged_attention(
     block_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 2,
+    k_rows: bool = False,
 ) -> torch.Tensor:
     """Attention of every query row over its sequence's paged K/V; returns `[T, Hq, D]`.
-    block_n / num_warps / num_stages are tuning knobs (benchmarks/attention_shapes.py)."""
+    block_n / num_warps / num_stages / k_rows are tuning knobs
+    (benchmarks/attention_shapes.py); block_n is rounded up to a whole page."""
     num_seqs = seq_lens.shape[0]
     _, hq, d = q.shape
     page, hkv = k_cache.shape[1], k_cache.shape[2]
@@ -312,7 +332,10 @@ def paged_attention(
         D=d,
         PAGE=page,
         BLOCK_M=block_m,
-        BLOCK_N=max(16, page),
+        BLOCK_N=max(16, page, block_n),
+        K_ROWS=k_rows,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     return out
 

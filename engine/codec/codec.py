@@ -24,19 +24,26 @@ class Codec:
         device: torch.device,
         dtype: torch.dtype,
         voice_cache_bytes: int,
+        fused: bool = False,
     ):
         self.config = cfg
-        self.decoder = build_decoder(cfg, state, device, dtype)
+        self.decoder = build_decoder(cfg, state, device, dtype, fused)
         self.chunks = ChunkDecoder(self.decoder)
         self.encoder = ReferenceEncoder(cfg, state, device)
         self.voices = VoiceCache(voice_cache_bytes)
 
     @classmethod
     def load(
-        cls, path: Path, device: torch.device, dtype: torch.dtype, voice_cache_bytes: int
+        cls,
+        path: Path,
+        device: torch.device,
+        dtype: torch.dtype,
+        voice_cache_bytes: int,
+        fused: bool = False,
     ) -> Codec:
+        """`fused`: Triton Snake activations in the decoder (CUDA only)."""
         cfg, state = load_codec_state(path)
-        return cls(cfg, state, device, dtype, voice_cache_bytes)
+        return cls(cfg, state, device, dtype, voice_cache_bytes, fused)
 
     @torch.inference_mode()
     def decode(self, codes: torch.Tensor) -> torch.Tensor:

@@ -2,10 +2,10 @@
 
 Per codebook an embedding lookup and `project_out` (64 -> 1024), summed in fp32; `fc2`
 (1024 -> 256); then a DAC decoder (Snake activations, ConvTranspose1d upsampling 8*5*4*2*3
-with `output_padding = stride % 2`, no final tanh). Our own module, so the hot path can later
-fuse Snake and run at static shapes; parameter names match transformers'
-`HiggsAudioV2TokenizerModel` (`acoustic_decoder.*`) so its weights load directly. It knows
-nothing of requests or streaming windows.
+with `output_padding = stride % 2`, no final tanh). Our own module, so the hot path fuses
+Snake (kernels/snake.py, `use_fused_kernels`) and runs at static shapes; parameter names
+match transformers' `HiggsAudioV2TokenizerModel` (`acoustic_decoder.*`) so its weights load
+directly. It knows nothing of requests or streaming windows.
 """
 
 from __future__ import annotations
@@ -19,13 +19,19 @@ from engine.codec.config import CodecConfig
 
 
 class Snake1d(nn.Module):
-    """`x + sin(alpha * x)^2 / (alpha + 1e-9)` per channel."""
+    """`x + sin(alpha * x)^2 / (alpha + 1e-9)` per channel; one Triton pass when `fused`
+    (CUDA), five torch kernels otherwise."""
 
     def __init__(self, channels: int):
         super().__init__()
         self.alpha = nn.Parameter(torch.ones(1, channels, 1))
+        self.fused = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            from kernels.snake import snake
+
+            return snake(x.contiguous(), self.alpha)
         return x + (self.alpha + 1e-9).reciprocal() * torch.sin(self.alpha * x).pow(2)
 
 
@@ -93,6 +99,13 @@ class CodecDecoder(nn.Module):
         self.fc2 = nn.Linear(h, cfg.acoustic_hidden_size)
         self.acoustic_decoder = AcousticDecoder(cfg)
         self.register_buffer("offsets", torch.arange(q) * n, persistent=False)
+
+    def use_fused_kernels(self, on: bool) -> CodecDecoder:
+        """Run every Snake activation as the fused Triton kernel (CUDA only) or in torch."""
+        for module in self.modules():
+            if isinstance(module, Snake1d):
+                module.fused = on
+        return self
 
     def forward(self, codes: torch.Tensor) -> torch.Tensor:
         """codes `[B, 8, T]` in 0..1023 -> waveform `[B, 1, T * hop]`."""

@@ -71,8 +71,14 @@ def fold_weight_norm(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
 
 
 def build_decoder(
-    cfg: CodecConfig, state: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype
+    cfg: CodecConfig,
+    state: dict[str, torch.Tensor],
+    device: torch.device,
+    dtype: torch.dtype,
+    fused: bool = False,
 ) -> CodecDecoder:
+    """The decoder with these weights; `fused` runs its Snake activations as one Triton kernel
+    each (CUDA only)."""
     state = fold_weight_norm(state)
     with torch.device(device):
         decoder = CodecDecoder(cfg)
@@ -100,7 +106,7 @@ def build_decoder(
         if name.startswith(("fc2.", "acoustic_decoder.")):
             put(name, name)
     decoder.to(dtype).eval().requires_grad_(False)
-    return decoder
+    return decoder.use_fused_kernels(fused)
 
 
 _WEIGHT_NORM_SUFFIXES = (

@@ -26,10 +26,11 @@ def _rel(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["torch-snake", "triton-snake"])
 @pytest.mark.parametrize("shape", [(1, 8), (4, 33), (1, 17)])
-def test_fp32_decoder_parity(full_codec, shape):
+def test_fp32_decoder_parity(full_codec, shape, fused):
     cfg, state, ref = full_codec
-    decoder = build_decoder(cfg, state, CUDA, torch.float32)
+    decoder = build_decoder(cfg, state, CUDA, torch.float32, fused)
     codes = torch.randint(0, 1024, (shape[0], 8, shape[1]), device=CUDA)
     tf32 = torch.backends.cudnn.allow_tf32
     torch.backends.cudnn.allow_tf32 = False  # exact fp32 convolutions for the comparison
@@ -38,27 +39,29 @@ def test_fp32_decoder_parity(full_codec, shape):
             err = _rel(decoder(codes), ref.decode(codes, return_dict=False))
     finally:
         torch.backends.cudnn.allow_tf32 = tf32
-    print(f"codec fp32 {shape}: rel err {err:.2e}")
+    print(f"codec fp32 {shape} fused={fused}: rel err {err:.2e}")
     assert err <= 1e-5
 
 
-def test_bf16_decoder_against_fp32_reference(full_codec):
+@pytest.mark.parametrize("fused", [False, True], ids=["torch-snake", "triton-snake"])
+def test_bf16_decoder_against_fp32_reference(full_codec, fused):
     cfg, state, ref = full_codec
-    decoder = build_decoder(cfg, state, CUDA, torch.bfloat16)
+    decoder = build_decoder(cfg, state, CUDA, torch.bfloat16, fused)
     codes = torch.randint(0, 1024, (8, 8, 33), device=CUDA)
     with torch.no_grad():
         err = _rel(decoder(codes), ref.decode(codes, return_dict=False))
-    print(f"codec bf16 (8, 33): rel err vs fp32 reference {err:.2e}")
+    print(f"codec bf16 (8, 33) fused={fused}: rel err vs fp32 reference {err:.2e}")
     assert err <= 5e-2
 
 
-def test_codec_graph_replay_equals_eager(full_codec):
+@pytest.mark.parametrize("fused", [False, True], ids=["torch-snake", "triton-snake"])
+def test_codec_graph_replay_equals_eager(full_codec, fused):
     from engine.codec.chunk_decoder import ChunkDecoder
     from engine.codec.codec_graphs import CodecGraphs
     from engine.streaming import ChunkWindow
 
     cfg, state, _ = full_codec
-    decoder = build_decoder(cfg, state, CUDA, torch.float32)
+    decoder = build_decoder(cfg, state, CUDA, torch.float32, fused)
     graphs = CodecGraphs(decoder, max_batch=4)
     report = graphs.capture()
     assert report.num_graphs == 4 * 2 + 33 - 2  # (1, 8) and (1, 33) are also tails
