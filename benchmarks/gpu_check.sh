@@ -3,7 +3,7 @@
 # short tables print last. The full-size random checkpoint (with its codec) is written once
 # to /tmp/full-codec. Parts, by environment variable:
 #   ATTN=1       the attention kernel sweep (benchmarks/attention_shapes.py)
-#   GEMM=1       the cuBLAS / Triton GEMV table (GEMM_B: batch sizes)
+#   GEMM=1       the cuBLAS GEMM table (GEMM_B: batch sizes)
 #   SKIP_CODEC=1 skips the codec throughput table
 #   PYTEST_ARGS  tests to run (default: the whole suite; "" skips them)
 #   LOOP=1       the engine alone under the served load, async vs sync (LOOP_C: concurrencies)
@@ -25,7 +25,7 @@ if [ "${ATTN:-0}" = 1 ]; then
   timeout 240 python3 benchmarks/attention_shapes.py 2>&1 | tee "$OUT/attention.log" | tail -12
 fi
 if [ "${GEMM:-0}" = 1 ]; then
-  timeout 200 python3 benchmarks/gemm_shapes.py --batches ${GEMM_B:-1,4,64} 2>&1 | tee "$OUT/gemm.log" | grep -v "^(" | tail -17
+  timeout 200 python3 benchmarks/gemm_shapes.py --batches ${GEMM_B:-1,64,128} 2>&1 | tee "$OUT/gemm.log" | grep -v "^(" | tail -17
 fi
 [ -n "${SKIP_CODEC:-}" ] || timeout 150 python3 benchmarks/codec_throughput.py 2>&1 | tee "$OUT/codec_throughput.log" | tail -24
 TESTS=${PYTEST_ARGS-tests}

@@ -222,7 +222,7 @@ def paged_decode_attention(
     scale,
     splits: int,
     out=None,
-    block_n: int = 64,
+    block_n: int = 32,
     num_warps: int = 4,
     num_stages: int = 2,
     k_rows: bool = False,
@@ -297,8 +297,8 @@ def paged_attention(
     out: torch.Tensor | None = None,
     block_n: int = 64,
     num_warps: int = 4,
-    num_stages: int = 2,
-    k_rows: bool = False,
+    num_stages: int = 3,
+    k_rows: bool = True,
 ) -> torch.Tensor:
     """Attention of every query row over its sequence's paged K/V; returns `[T, Hq, D]`.
     block_n / num_warps / num_stages / k_rows are tuning knobs
