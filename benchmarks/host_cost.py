@@ -1,8 +1,9 @@
-"""Host work of one engine step, by part, on any machine (the embedded default model): C
-clone requests decoding together, each part of `step()` timed with wrappers. What is not
-compute here is the Python the engine thread spends per step, which a GPU step must hide.
+"""Host work of one engine step, by part, on any machine (the embedded default model, or
+`--model` such as the full-size checkpoint on a GPU): C clone requests decoding together
+(closed loop, audio on), each part of `step()` timed with wrappers. On a GPU "wait for rows"
+is the engine thread idle for the GPU: near zero means the step is host-bound.
 
-    python benchmarks/host_cost.py --concurrency 256 [--gc-tuned]
+    python benchmarks/host_cost.py --concurrency 256 [--gc-tuned] [--model DIR]
 """
 
 from __future__ import annotations
@@ -18,18 +19,35 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.serve_bench import TEXTS, reference_wav  # noqa: E402
 from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
+from engine.cuda_graphs import CapturedGraph, CapturedSampler  # noqa: E402
+from engine.runner import PendingStep  # noqa: E402
 
-PARTS = [  # (owner attribute path, method, label, is host work)
-    ("scheduler", "schedule", "schedule", True),
-    ("runner", "_prepare", "prepare inputs", True),
-    ("scheduler", "on_chunk_done", "on_chunk_done", True),
-    ("", "_append_rows", "append rows", True),
-    ("", "_output", "events", True),
-    ("runner", "forward", "forward (compute)", False),
-    ("runner", "sample", "sampler (compute)", False),
-    ("", "_decode_audio", "audio windows + codec", False),
-    ("codec.chunks", "_decode_batch", "codec (compute)", False),
+# (owner: attribute path from the engine, or a class; method; label; kind). Kinds: "host" is
+# Python work of the engine thread, "launch" queues GPU work (host time, GPU runs later),
+# "wait" is the engine thread waiting for the GPU, "inner" is part of another row.
+PARTS = [
+    ("scheduler", "schedule", "schedule", "host"),
+    ("runner", "_prepare", "prepare inputs", "inner"),
+    ("runner", "launch", "launch step (prep + queue)", "launch"),
+    ("runner", "forward", "eager forward", "inner"),
+    (CapturedGraph, "replay", "backbone graph launch", "inner"),
+    (CapturedSampler, "replay", "sampler graph launch", "inner"),
+    ("scheduler", "on_chunk_done", "on_chunk_done", "host"),
+    (PendingStep, "result", "wait for rows", "wait"),
+    ("", "_append_rows", "append rows", "host"),
+    ("", "_decode_audio", "audio windows + codec", "host"),
+    ("codec.chunks", "_decode_batch", "codec launch/compute", "inner"),
+    ("", "_output", "events", "host"),
 ]
+
+
+def _owner(engine, path):
+    if isinstance(path, type):
+        return path
+    owner = engine
+    for attr in filter(None, path.split(".")):
+        owner = getattr(owner, attr)
+    return owner
 
 
 def main() -> None:
@@ -37,10 +55,13 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--gc-tuned", action="store_true", help="as the server: gc.freeze etc.")
+    ap.add_argument("--model", help="checkpoint dir (default: the embedded default model)")
+    ap.add_argument("--max-num-seqs", type=int, help="default: the concurrency")
     args = ap.parse_args()
     c = args.concurrency
     engine = Engine.from_pretrained(
-        None, EngineConfig(max_num_seqs=c, max_num_batched_tokens=max(512, c))
+        args.model,
+        EngineConfig(max_num_seqs=args.max_num_seqs or c, max_num_batched_tokens=max(512, c)),
     )
     reference = engine.encode_reference(reference_wav(4.0), "A reference sentence.")
     if args.gc_tuned:
@@ -49,9 +70,9 @@ def main() -> None:
         gc.set_threshold(20_000, 20, 20)
     spent: collections.Counter = collections.Counter()
     for path, name, label, _ in PARTS:
-        owner = engine
-        for attr in filter(None, path.split(".")):
-            owner = getattr(owner, attr)
+        owner = _owner(engine, path)
+        if owner is None:
+            continue  # e.g. no codec
         original = getattr(owner, name)
 
         def timed(*a, _original=original, _label=label, **k):
@@ -71,19 +92,26 @@ def main() -> None:
 
     for _ in range(c):
         add()
+    rows = 0
     for step in range(20 + args.steps):
         if step == 20:
             spent.clear()
+            rows, t0 = 0, time.perf_counter()
         for out in engine.step():
+            rows += len(out.new_rows)
             if out.finished:
                 add()
-    print(f"\nC = {c}, per step over {args.steps} steps (gc tuned: {args.gc_tuned})")
-    host = 0.0
-    for _, _, label, is_host in PARTS:
+    wall = (time.perf_counter() - t0) / args.steps * 1e3
+    print(
+        f"\nC = {c}, {engine.runner.device}, per step over {args.steps} steps "
+        f"(gc tuned: {args.gc_tuned}): {wall:.3f} ms a step, {rows / args.steps:.1f} rows"
+    )
+    outer = 0.0
+    for _, _, label, kind in PARTS:
         ms = spent[label] / args.steps * 1e3
-        host += ms if is_host else 0.0
-        print(f"{label:<24}{ms:>9.3f} ms{'' if is_host else '   (compute on this device)'}")
-    print(f"{'host work (sum)':<24}{host:>9.3f} ms")
+        outer += 0.0 if kind == "inner" else ms
+        print(f"{label:<30}{ms:>9.3f} ms  {kind}")
+    print(f"{'not in any row':<30}{wall - outer:>9.3f} ms")
 
 
 if __name__ == "__main__":

@@ -166,6 +166,10 @@ class EngineConfig:
     # flight); False: each step's rows are read before the next step is scheduled.
     async_scheduling: bool = True
     codec_dtype: str = "float32"
+    # Codec windows decoded together up to this batch replay CUDA graphs (one per batch size
+    # and window shape, captured before any request); larger batches run eagerly. None: up to
+    # max_num_seqs; 0: no codec graphs.
+    codec_graph_max_batch: int | None = None
     stream: StreamConfig = StreamConfig()
     voice_cache_bytes: int = 64 * 1024 * 1024
 
@@ -192,6 +196,8 @@ class EngineConfig:
             )
         if not 0.0 < self.kv_cache_memory_fraction < 1.0:
             raise ConfigError("kv_cache_memory_fraction must be in (0, 1)")
+        if self.codec_graph_max_batch is not None and self.codec_graph_max_batch < 0:
+            raise ConfigError("codec_graph_max_batch must be >= 0 (0: no codec graphs)")
 
     @property
     def max_blocks_per_seq(self) -> int:

@@ -165,12 +165,12 @@ class Engine:
         # backbone replay (same stream); nothing may read it later than that.
         pool = self.runner.graphs.pool if self.runner.graphs is not None else None
         self.capture_reports.append(self.runner.sampler_graphs.capture(pool))
-        if self.codec is not None:
+        max_batch = self.config.codec_graph_max_batch
+        max_batch = self.config.max_num_seqs if max_batch is None else max_batch
+        if self.codec is not None and max_batch > 0:
             stream = self.config.stream
             window = stream.left_context_frames + stream.chunk_frames + stream.holdback_frames
-            graphs = CodecGraphs(
-                self.codec.decoder, self.config.max_num_seqs, stream.first_chunk_frames, window
-            )
+            graphs = CodecGraphs(self.codec.decoder, max_batch, stream.first_chunk_frames, window)
             self.capture_reports.append(graphs.capture())
             self.codec.chunks.graphs = graphs
 

@@ -160,6 +160,7 @@ def test_engine_config_good_dtype(dtype):
         {"num_kv_blocks": 1},
         {"kv_cache_memory_fraction": 0.0},
         {"kv_cache_memory_fraction": 1.0},
+        {"codec_graph_max_batch": -1},
     ],
 )
 def test_engine_config_other_invalid(kwargs):
