@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
 import gc
+import io
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -20,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.serve_bench import TEXTS, reference_wav  # noqa: E402
 from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from engine.cuda_graphs import CapturedGraph, CapturedSampler  # noqa: E402
+from engine.engine import default_device  # noqa: E402
 from engine.runner import PendingStep  # noqa: E402
 
 # (owner: attribute path from the engine, or a class; method; label; kind). Kinds: "host" is
@@ -57,11 +61,16 @@ def main() -> None:
     ap.add_argument("--gc-tuned", action="store_true", help="as the server: gc.freeze etc.")
     ap.add_argument("--model", help="checkpoint dir (default: the embedded default model)")
     ap.add_argument("--max-num-seqs", type=int, help="default: the concurrency")
+    ap.add_argument("--cprofile", help="write cProfile's top functions of the timed steps here")
     args = ap.parse_args()
     c = args.concurrency
     engine = Engine.from_pretrained(
         args.model,
-        EngineConfig(max_num_seqs=args.max_num_seqs or c, max_num_batched_tokens=max(512, c)),
+        EngineConfig(
+            device=default_device(),
+            max_num_seqs=args.max_num_seqs or c,
+            max_num_batched_tokens=max(512, c),
+        ),
     )
     reference = engine.encode_reference(reference_wav(4.0), "A reference sentence.")
     if args.gc_tuned:
@@ -92,16 +101,24 @@ def main() -> None:
 
     for _ in range(c):
         add()
-    rows = 0
+    rows, profiler = 0, None
     for step in range(20 + args.steps):
         if step == 20:
             spent.clear()
+            if args.cprofile:
+                profiler = cProfile.Profile()
+                profiler.enable()
             rows, t0 = 0, time.perf_counter()
         for out in engine.step():
             rows += len(out.new_rows)
             if out.finished:
                 add()
     wall = (time.perf_counter() - t0) / args.steps * 1e3
+    if profiler is not None:
+        profiler.disable()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(40)
+        Path(args.cprofile).write_text(text.getvalue())
     print(
         f"\nC = {c}, {engine.runner.device}, per step over {args.steps} steps "
         f"(gc tuned: {args.gc_tuned}): {wall:.3f} ms a step, {rows / args.steps:.1f} rows"
