@@ -3,9 +3,10 @@
 Everything on the host is real (the event loop, sessions, the WebSocket protocol, the worker,
 the scheduler, step preparation, streaming windows, events), but a launched step's rows come
 back `--step-ms A+B*rows` after the previous step finished (random codes, no EOS: requests end
-at their length cap, as with random weights), and each codec batch takes `--codec-ms` and
-returns silence of the right length. Waits release the interpreter lock, as CUDA waits do.
-It shows, on a machine without a GPU, whether the service keeps C streams running.
+at their length cap, as with random weights), and each codec batch takes `--codec-ms` on its
+own simulated stream and returns silence of the right length. Waits release the interpreter
+lock, as CUDA waits do. It shows, on a machine without a GPU, whether the service keeps C
+streams running.
 
     python benchmarks/sim_server.py --port 8790 --max-num-seqs 256 [--step-ms 3.7+0.029]
     python benchmarks/serve_bench.py --server sim ...   (starts it for you)
@@ -19,11 +20,11 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine import Engine, EngineConfig  # noqa: E402
-from engine.codec.chunk_decoder import DecodedChunk  # noqa: E402
 from engine.config import NUM_CODEBOOKS  # noqa: E402
 from engine.runner import SampledRows  # noqa: E402
 
@@ -53,13 +54,32 @@ def simulate(engine: Engine, step_a_ms: float, step_b_ms: float, codec_ms: float
         gpu_free_at[0] = max(gpu_free_at[0], time.perf_counter()) + ms / 1e3
         return SimulatedStep(sampling, gpu_free_at[0], rng)
 
-    def decode_batch(batch):
-        time.sleep(codec_ms / 1e3)
-        hop = engine.codec.chunks.hop
-        return [DecodedChunk(w, bytes(2 * w.num_frames * hop)) for w in batch]
+    codec_free_at = [0.0]
+
+    def launch_batch(batch):
+        # the codec runs on its own stream: batches queue behind each other, the host goes on
+        codec_free_at[0] = max(codec_free_at[0], time.perf_counter()) + codec_ms / 1e3
+        samples = max(w.window_frames for w in batch) * engine.codec.chunks.hop
+        pcm = torch.zeros(len(batch), samples, dtype=torch.int16)
+        return pcm, torch.ones(len(batch), dtype=torch.bool), SimulatedEvent(codec_free_at[0])
 
     runner.launch = launch
-    engine.codec.chunks._decode_batch = decode_batch
+    engine.codec.chunks._launch_batch = launch_batch
+
+
+class SimulatedEvent:
+    """A CUDA event stand-in that completes at a wall-clock time."""
+
+    def __init__(self, ready_at: float):
+        self.ready_at = ready_at
+
+    def query(self) -> bool:
+        return time.perf_counter() >= self.ready_at
+
+    def synchronize(self) -> None:
+        wait = self.ready_at - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)
 
 
 def main() -> None:

@@ -21,6 +21,7 @@ from engine.attention import make_backend
 from engine.block_manager import BlockManager
 from engine.checkpoint_writer import UNTRAINED_NOTICE, default_model_dir
 from engine.codec.audio_io import AudioLimits
+from engine.codec.chunk_decoder import PendingChunks
 from engine.codec.codec import Codec
 from engine.codec.codec_graphs import CodecGraphs
 from engine.config import ConfigError, EngineConfig, SamplingParams, VoiceReference
@@ -150,6 +151,12 @@ class Engine:
         self._streams: dict[str, AudioStream] = {}
         self._counters = _Counters()
         self._in_flight: PendingStep | None = None
+        # Audio windows submitted to the codec and not read back yet, oldest first: (the
+        # pending decode, each window's request). A request that finished while its last
+        # chunk was being decoded waits in _held with its reason: its finishing event goes
+        # out with that chunk.
+        self._audio_in_flight: list[tuple[PendingChunks, list[Request]]] = []
+        self._held: dict[str, FinishReason] = {}
         if is_default:
             log.warning(UNTRAINED_NOTICE)
 
@@ -252,13 +259,18 @@ class Engine:
         """Stops a request and frees its KV blocks and slot; False if it is not known."""
         request = self.scheduler.requests.get(request_id)
         if request is None:
-            return False
+            # finished, its last chunk still decoding: nothing more is reported for it
+            return self._held.pop(request_id, None) is not None
         self._finish(request, FinishReason.ABORT)
         return True
 
     def has_unfinished(self) -> bool:
         self._drop_ended_in_flight()
-        return self.scheduler.has_unfinished() or self._in_flight is not None
+        return (
+            self.scheduler.has_unfinished()
+            or self._in_flight is not None
+            or bool(self._audio_in_flight)
+        )
 
     def _drop_ended_in_flight(self) -> None:
         """Forgets the step in flight once every request in it has ended (nothing to read)."""
@@ -301,7 +313,13 @@ class Engine:
             pending, self._in_flight = self._in_flight, launched
         else:
             pending = launched
-        outputs = early + (self._read(pending) if pending is not None else [])
+        # Audio submitted by earlier steps has run beside the GPU work since: read it now,
+        # then this step's rows (which submit the windows they complete).
+        outputs = early + self._collect_audio()
+        if pending is not None:
+            outputs += self._read(pending)
+        if self._in_flight is None and launched is None:
+            outputs += self._collect_audio()  # nothing left on the GPU: hold nothing back
         self._counters.seconds += time.perf_counter() - t0
         return outputs
 
@@ -323,8 +341,11 @@ class Engine:
         for request in sampled.requests:
             request.num_inflight -= 1
         updates = self._append_rows(sampled)
-        audio = self._decode_audio(updates)
-        return [self._output(request, row, reason, audio) for request, row, reason in updates]
+        decoding = self._submit_audio(updates)
+        return [
+            self._output(request, row, reason, request.request_id in decoding)
+            for request, row, reason in updates
+        ]
 
     def _append_rows(self, sampled) -> list[tuple[Request, AudioRow, FinishReason | None]]:
         updates = []
@@ -346,46 +367,71 @@ class Engine:
         self._counters.rows += len(updates)
         return updates
 
-    def _decode_audio(self, updates) -> dict[str, AudioChunk]:
-        """Windows that became ready this step, decoded together in one batch per shape."""
+    def _submit_audio(self, updates) -> set[str]:
+        """Submits the windows that became ready this step (one codec batch per shape) and
+        returns the ids of their requests; their audio is read by a later `_collect_audio`."""
         windows: list[ChunkWindow] = []
+        owners: list[Request] = []
         for request, _, reason in updates:
             stream = self._streams.get(request.request_id)
             if stream is not None:
                 window = stream.next_window(request.output_rows, finished=reason is not None)
                 if window is not None:
                     windows.append(window)
+                    owners.append(request)
         if not windows:
-            return {}
-        now = time.monotonic()
-        chunks = {}
-        for decoded in self.codec.chunks.decode(windows):
-            w = decoded.window
-            request = self.scheduler.requests[w.request_id]
-            chunks[w.request_id] = AudioChunk(
-                w.request_id,
-                w.index,
-                decoded.pcm,
-                w.start,
-                w.end,
-                w.is_last or bool(decoded.error),
-                request.arrival_time,
-                request.first_row_time,
-                now,
-                decoded.error,
-            )
-        return chunks
+            return set()
+        self._audio_in_flight.append((self.codec.chunks.submit(windows), owners))
+        return {r.request_id for r in owners}
 
-    def _output(self, request: Request, row: AudioRow, reason, audio) -> RequestOutput:
-        chunk = audio.get(request.request_id)
-        if chunk is not None and chunk.error:
-            reason = FinishReason.ERROR  # a codec failure ends this request alone
+    def _collect_audio(self) -> list[RequestOutput]:
+        """Reads every submitted codec batch (waiting for any still running) and turns its
+        chunks into events; a codec failure ends its request alone, with an error."""
+        outputs = []
+        batches, self._audio_in_flight = self._audio_in_flight, []
+        for pending, owners in batches:
+            now = time.monotonic()
+            for decoded, request in zip(pending.result(), owners, strict=True):
+                w = decoded.window
+                held = self._held.get(request.request_id)
+                if request.is_finished and held is None:
+                    continue  # aborted, or already ended by an earlier chunk's error
+                chunk = AudioChunk(
+                    w.request_id,
+                    w.index,
+                    decoded.pcm,
+                    w.start,
+                    w.end,
+                    w.is_last or bool(decoded.error),
+                    request.arrival_time,
+                    request.first_row_time,
+                    now,
+                    decoded.error,
+                )
+                reason = FinishReason.ERROR if decoded.error else held if w.is_last else None
+                if reason is None:
+                    outputs.append(RequestOutput(request.request_id, [], audio=chunk))
+                    continue
+                self._held.pop(request.request_id, None)
+                if not request.is_finished:
+                    self._finish(request, reason)
+                outputs.append(
+                    RequestOutput(
+                        request.request_id, [], True, reason.value, request.output_rows, chunk
+                    )
+                )
+        return outputs
+
+    def _output(self, request: Request, row: AudioRow, reason, decoding: bool) -> RequestOutput:
+        """The event of one new row. A request that ends with its last chunk still decoding
+        is finished now (its blocks and slot are freed) and reported when the chunk is read."""
         if reason is None:
-            return RequestOutput(request.request_id, [row], audio=chunk)
+            return RequestOutput(request.request_id, [row])
         self._finish(request, reason)
-        return RequestOutput(
-            request.request_id, [row], True, reason.value, request.output_rows, chunk
-        )
+        if decoding:
+            self._held[request.request_id] = reason
+            return RequestOutput(request.request_id, [row])
+        return RequestOutput(request.request_id, [row], True, reason.value, request.output_rows)
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         self.scheduler.finish(request, reason)

@@ -5,7 +5,9 @@ A failure stays with its request: if a batch raises, its members are decoded one
 only those that still fail get an error; a window whose audio is not finite fails alone.
 
 On CUDA the codec runs on its own stream: its work overlaps the backbone step that the engine
-launched before decoding, and reading its audio back waits for the codec stream alone.
+launched before decoding. `submit` only queues the work and the copies of the PCM to pinned
+host memory; `PendingChunks.result()` waits for them, so the engine can read a step's audio
+one step later instead of stalling its thread while the codec runs.
 """
 
 from __future__ import annotations
@@ -27,6 +29,39 @@ class DecodedChunk:
     error: str | None = None
 
 
+class PendingChunks:
+    """Windows submitted for decoding. `ready()` says without waiting whether every batch has
+    finished on the device; `result()` waits for them (the copies to pinned host memory) and
+    returns the decoded chunks in submission order."""
+
+    def __init__(self, windows: list[ChunkWindow], hop: int):
+        self.windows = windows
+        self._hop = hop
+        self._done: dict[int, DecodedChunk] = {}
+        self._launched: list[tuple[list[int], torch.Tensor, torch.Tensor, object]] = []
+
+    def ready(self) -> bool:
+        return all(event is None or event.query() for *_, event in self._launched)
+
+    def result(self) -> list[DecodedChunk]:
+        for members, pcm, finite, event in self._launched:
+            if event is not None:
+                event.synchronize()
+            rows, oks = pcm.numpy(), finite.tolist()
+            for i, samples, ok in zip(members, rows, oks, strict=True):
+                self._done[i] = _to_chunk(self.windows[i], samples, ok, self._hop)
+        self._launched = []
+        return [self._done[i] for i in range(len(self.windows))]
+
+
+def _to_chunk(w: ChunkWindow, samples, ok: bool, hop: int) -> DecodedChunk:
+    """A window's decoded PCM16 samples (context included) -> its chunk."""
+    if not ok:
+        return DecodedChunk(w, b"", "codec produced non-finite audio")
+    keep = samples[w.context * hop : (w.context + w.num_frames) * hop]
+    return DecodedChunk(w, keep.astype("<i2", copy=False).tobytes())
+
+
 class ChunkDecoder:
     def __init__(self, decoder: CodecDecoder):
         self.decoder = decoder
@@ -37,52 +72,59 @@ class ChunkDecoder:
         cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.device) if cuda else None
 
-    @torch.inference_mode()
     def decode(self, windows: list[ChunkWindow]) -> list[DecodedChunk]:
-        """Decodes every window (grouped by length); returns results in input order."""
-        results: dict[int, DecodedChunk] = {}
+        """Decodes every window (grouped by length) and waits; results in input order."""
+        return self.submit(windows).result()
+
+    @torch.inference_mode()
+    def submit(self, windows: list[ChunkWindow]) -> PendingChunks:
+        """Queues every window's decoding (one batch per window length, on the codec stream)
+        and the copy of its PCM to pinned host memory; returns without waiting on CUDA."""
+        pending = PendingChunks(windows, self.hop)
         groups: dict[int, list[int]] = defaultdict(list)
         for i, w in enumerate(windows):
             if w.num_frames == 0:
-                results[i] = DecodedChunk(w, b"")
+                pending._done[i] = DecodedChunk(w, b"")
             else:
                 groups[w.window_frames].append(i)
         for members in groups.values():
-            batch = [windows[i] for i in members]
             try:
-                decoded = self._decode_batch(batch)
+                pcm, finite, event = self._launch_batch([windows[i] for i in members])
+                pending._launched.append((members, pcm, finite, event))
             except Exception:
-                decoded = [self._decode_one(w) for w in batch]
-            results.update(zip(members, decoded, strict=True))
-        return [results[i] for i in range(len(windows))]
+                for i in members:
+                    pending._done[i] = self._decode_one(windows[i])
+        return pending
 
     def _decode_one(self, window: ChunkWindow) -> DecodedChunk:
         try:
-            return self._decode_batch([window])[0]
+            pcm, finite, event = self._launch_batch([window])
+            if event is not None:
+                event.synchronize()
+            return _to_chunk(window, pcm.numpy()[0], bool(finite[0]), self.hop)
         except Exception as exc:
             return DecodedChunk(window, b"", f"codec decode failed: {type(exc).__name__}: {exc}")
 
-    def _decode_batch(self, batch: list[ChunkWindow]) -> list[DecodedChunk]:
+    def _launch_batch(self, batch: list[ChunkWindow]):
+        """(PCM16 `[B, samples]` and finite flags `[B]` in host memory, the event after which
+        they are valid; None on the CPU, where they are valid at once)."""
         on_stream = torch.cuda.stream(self.stream) if self.stream else contextlib.nullcontext()
         with on_stream:
-            return self._decode_on_stream(batch)
-
-    def _decode_on_stream(self, batch: list[ChunkWindow]) -> list[DecodedChunk]:
-        codes = torch.tensor([w.codes for w in batch], dtype=torch.long).to(self.device)
-        audio = self.graphs.run(codes) if self.graphs is not None else None
-        if audio is None:
-            audio = self.decoder(codes)
-        audio = audio[:, 0].float()  # [B, frames * hop]
-        self.num_batches += 1
-        finite = torch.isfinite(audio).all(dim=1)
-        # PCM16 on the device, then one copy to the host for the whole batch.
-        pcm = (audio.clamp(-1.0, 1.0) * 32767.0).round().to(torch.int16)
-        pcm, finite = pcm.cpu().numpy(), finite.cpu().tolist()
-        out = []
-        for w, samples, ok in zip(batch, pcm, finite, strict=True):
-            if not ok:
-                out.append(DecodedChunk(w, b"", "codec produced non-finite audio"))
-                continue
-            keep = samples[w.context * self.hop : (w.context + w.num_frames) * self.hop]
-            out.append(DecodedChunk(w, keep.astype("<i2", copy=False).tobytes()))
-        return out
+            codes = torch.tensor([w.codes for w in batch], dtype=torch.long)
+            codes = codes.pin_memory().to(self.device, non_blocking=True) if self.stream else codes
+            audio = self.graphs.run(codes) if self.graphs is not None else None
+            if audio is None:
+                audio = self.decoder(codes)
+            audio = audio[:, 0].float()  # [B, frames * hop]
+            self.num_batches += 1
+            finite = torch.isfinite(audio).all(dim=1)
+            pcm = (audio.clamp(-1.0, 1.0) * 32767.0).round().to(torch.int16)
+            if self.stream is None:
+                return pcm, finite, None
+            pcm_host = torch.empty(pcm.shape, dtype=torch.int16, pin_memory=True)
+            finite_host = torch.empty(finite.shape, dtype=torch.bool, pin_memory=True)
+            pcm_host.copy_(pcm, non_blocking=True)
+            finite_host.copy_(finite, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+            return pcm_host, finite_host, event

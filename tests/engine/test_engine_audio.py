@@ -45,12 +45,44 @@ def test_chunks_stream_with_exact_sizes_and_timestamps(engine):
     assert [c.index for c in chunks] == [0, 1, 2, 3]
     assert [c.is_last for c in chunks] == [False, False, False, True]
     assert [(c.start_frame, c.end_frame) for c in chunks] == [(0, 8), (8, 33), (33, 58), (58, 67)]
-    first_row = next(i for i, e in enumerate(events) if e.new_rows)
     first_chunk = next(i for i, e in enumerate(events) if e.audio is not None)
-    assert first_chunk - first_row == 14  # prefill row + 14 decode rows
+    # ready after the prefill row + 14 decode rows (8 frames + the 7-row lag); read back on
+    # the next step, in an event of its own
+    assert sum(len(e.new_rows) for e in events[:first_chunk]) == 15
+    assert not events[first_chunk].new_rows
     for c in chunks:
         assert c.arrival_time <= c.first_row_time <= c.ready_time
     assert events[-1].finished and events[-1].audio is chunks[-1]
+
+
+def test_a_request_ends_when_its_last_chunk_is_read(engine):
+    """Its blocks are freed with the last row; the finishing event (with the last chunk)
+    comes when the codec's work is read back, one step later, and nothing follows it. (A
+    second request keeps the GPU busy: with nothing left to run, audio is not held back.)"""
+    engine.add_request("busy", "Keeps going.", params=SamplingParams(seed=5, max_rows=45))
+    engine.add_request("late", "Ends late.", params=SamplingParams(seed=4, max_rows=30))
+    rows, events = 0, []
+    while rows < 30:
+        step = [e for e in engine.step() if e.request_id == "late"]
+        rows += sum(len(e.new_rows) for e in step)
+        events += step
+    assert not any(e.finished for e in events)  # the last row is out, its chunk is not
+    assert engine.stats.num_running == 1  # but the request no longer holds a slot
+    tail = _collect(engine, "late")
+    assert len(tail) == 1 and tail[0].finished and tail[0].audio.is_last
+    assert len(tail[0].rows) == 30 and tail[0].finish_reason == "length"
+
+
+def test_abort_while_the_last_chunk_decodes_reports_nothing_more(engine):
+    engine.add_request("busy2", "Keeps going.", params=SamplingParams(seed=5, max_rows=45))
+    engine.add_request("held", "Held back.", params=SamplingParams(seed=2, max_rows=30))
+    rows = 0
+    while rows < 30:
+        rows += sum(len(e.new_rows) for e in engine.step() if e.request_id == "held")
+    assert engine.abort("held")  # finished inside, its last event not yet reported
+    assert not engine.abort("held")
+    assert _collect(engine, "held") == []
+    assert not engine.has_unfinished()
 
 
 def test_generate_returns_the_concatenated_stream(engine):
@@ -141,15 +173,22 @@ def test_engine_without_codec_rejects_audio_requests(tiny_ckpt):
 def test_a_failed_last_chunk_ends_the_request_with_error(engine, monkeypatch):
     from engine.codec.chunk_decoder import DecodedChunk
 
-    original = engine.codec.chunks.decode
+    original = engine.codec.chunks.submit
 
     def failing_last(windows):
-        return [
-            DecodedChunk(d.window, b"", "injected") if d.window.is_last else d
-            for d in original(windows)
-        ]
+        pending = original(windows)
+        result = pending.result
 
-    monkeypatch.setattr(engine.codec.chunks, "decode", failing_last)
+        def with_failure():
+            return [
+                DecodedChunk(d.window, b"", "injected") if d.window.is_last else d
+                for d in result()
+            ]
+
+        pending.result = with_failure
+        return pending
+
+    monkeypatch.setattr(engine.codec.chunks, "submit", failing_last)
     [result] = engine.generate(["tail fails"], params=SamplingParams(seed=1, max_rows=20))
     assert result.finish_reason == "error"
 
