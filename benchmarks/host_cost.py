@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.serve_bench import TEXTS, reference_wav  # noqa: E402
 from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
+from engine.codec.chunk_decoder import PendingChunks  # noqa: E402
 from engine.cuda_graphs import CapturedGraph, CapturedSampler  # noqa: E402
 from engine.engine import default_device  # noqa: E402
 from engine.runner import PendingStep  # noqa: E402
@@ -39,8 +40,10 @@ PARTS = [
     ("scheduler", "on_chunk_done", "on_chunk_done", "host"),
     (PendingStep, "result", "wait for rows", "wait"),
     ("", "_append_rows", "append rows", "host"),
-    ("", "_decode_audio", "audio windows + codec", "host"),
-    ("codec.chunks", "_decode_batch", "codec launch/compute", "inner"),
+    ("", "_submit_audio", "audio windows + codec launch", "host"),
+    ("codec.chunks", "_launch_batch", "codec launch (compute on CPU)", "inner"),
+    ("", "_collect_audio", "read codec audio", "host"),
+    (PendingChunks, "result", "wait for codec", "inner"),
     ("", "_output", "events", "host"),
 ]
 

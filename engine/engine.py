@@ -300,14 +300,15 @@ class Engine:
         self._counters.preemptions += len(sched.preempted)
         launched = None
         if sched.chunks:
+            runner = self.runner
             for chunk in sched.chunks:
-                if not self.runner.has_request(chunk.request):  # newly admitted: takes its slot
-                    self.runner.add_request(chunk.request)
-            launched = self.runner.launch(sched)
+                if not runner.has_request(chunk.request):  # newly admitted: takes its slot
+                    runner.add_request(chunk.request)
+            launched = runner.launch(sched)
+            on_chunk_done = self.scheduler.on_chunk_done
             for chunk in sched.chunks:
-                self.scheduler.on_chunk_done(chunk)
-            for request in launched.requests:
-                request.num_inflight += 1
+                on_chunk_done(chunk)
+                chunk.request.num_inflight += chunk.samples
             self._counters.steps += 1
         if self.config.async_scheduling:
             pending, self._in_flight = self._in_flight, launched

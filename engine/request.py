@@ -45,6 +45,10 @@ class Request:
     num_preemptions: int = 0
     first_row_time: float | None = None
     num_inflight: int = 0  # rows sampled by a launched step and not read back yet (0 or 1)
+    prompt_len: int = field(init=False)  # len(prompt), read every step
+
+    def __post_init__(self) -> None:
+        self.prompt_len = len(self.prompt)
 
     @property
     def num_rows(self) -> int:
@@ -54,7 +58,7 @@ class Request:
     @property
     def num_positions(self) -> int:
         """Every input position: the prompt, then each generated row fed back as input."""
-        return len(self.prompt) + self.num_rows
+        return self.prompt_len + len(self.output_rows) + self.num_inflight
 
     @property
     def num_pending(self) -> int:

@@ -317,13 +317,17 @@ class ModelRunner:
         bs = self.config.block_size
         chunks = sched.chunks
         num = len(chunks)
+        lists, lens = self._table_lists, self._table_lens
+        fields = []
         for chunk in chunks:
-            self._sync_block_table(chunk.request)
-        starts = np.fromiter((c.start for c in chunks), np.int64, num)
-        ns = np.fromiter((c.num_tokens for c in chunks), np.int64, num)
-        slots = np.fromiter((c.request.slot for c in chunks), np.int64, num)
-        samples = np.fromiter((c.samples for c in chunks), bool, num)
-        prompt_lens = np.fromiter((len(c.request.prompt) for c in chunks), np.int64, num)
+            req = chunk.request
+            slot = req.slot
+            if lists[slot] is not req.block_ids or lens[slot] != len(req.block_ids):
+                self._sync_block_table(req)
+            fields.append((chunk.start, chunk.num_tokens, slot, chunk.samples, req.prompt_len))
+        cols = np.array(fields, np.int64).reshape(num, 5).T
+        starts, ns, slots, prompt_lens = cols[0], cols[1], cols[2], cols[4]
+        samples = cols[3].astype(bool)
         qsl[0] = 0
         np.cumsum(ns, out=qsl[1 : num + 1])
         t = int(qsl[num])
@@ -344,7 +348,7 @@ class ModelRunner:
             end = start + n
             self._fill_inputs(req, start, end, token_ids[t0 : t0 + n], rows[t0 : t0 + n])
             feedback[t0 : t0 + n] = -1
-            if chunk.samples and end > len(req.prompt):
+            if chunk.samples and end > req.prompt_len:
                 feedback[t0 + n - 1] = req.slot  # the row sampled last step, still on the GPU
             p = np.arange(start, end)
             positions[t0 : t0 + n] = p

@@ -17,16 +17,16 @@ from engine.config import ConfigError, EngineConfig
 from engine.request import FinishReason, Request, RequestStatus
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledChunk:
     request: Request
     start: int  # first position computed this step (= request.num_computed before the step)
     num_tokens: int
+    # Whether this chunk reaches the request's last input, so a row is sampled.
+    samples: bool = field(init=False)
 
-    @property
-    def samples(self) -> bool:
-        """Whether this chunk reaches the request's last input, so a row is sampled."""
-        return self.start + self.num_tokens == self.request.num_positions
+    def __post_init__(self) -> None:
+        self.samples = self.start + self.num_tokens == self.request.num_positions
 
 
 @dataclass
@@ -114,10 +114,12 @@ class Scheduler:
     @staticmethod
     def _running_chunk(request: Request, budget: int) -> int:
         """Positions a running request computes next (0: skip it; its last row is in
-        flight and it finishes when that row is read)."""
-        if request.num_rows >= request.params.max_rows:
+        flight and it finishes when that row is read). Runs for every request every step."""
+        rows = len(request.output_rows) + request.num_inflight
+        if rows >= request.params.max_rows:
             return 0
-        return max(0, min(request.num_pending, budget))
+        pending = request.prompt_len + rows - request.num_computed
+        return max(0, min(pending, budget))
 
     def _blocks_short(self, request: Request, n: int) -> int:
         """Blocks the request lacks to compute `n` more positions."""
@@ -140,13 +142,14 @@ class Scheduler:
                 i += 1
                 continue
             need = self._blocks_short(request, n)
-            while need > self.blocks.num_free_blocks:
-                victim = self.running[-1]
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is request:
-                    return budget
-            request.block_ids += self.blocks.allocate(max(0, need))
+            if need > 0:
+                while need > self.blocks.num_free_blocks:
+                    victim = self.running[-1]
+                    self._preempt(victim)
+                    out.preempted.append(victim)
+                    if victim is request:
+                        return budget
+                request.block_ids += self.blocks.allocate(need)
             out.chunks.append(ScheduledChunk(request, request.num_computed, n))
             budget -= n
             i += 1
@@ -201,10 +204,12 @@ class Scheduler:
     def on_chunk_done(self, chunk: ScheduledChunk) -> None:
         """Advances the computed count and publishes newly completed prompt blocks."""
         request = chunk.request
-        prompt_len = len(request.prompt)
-        prefill = max(0, min(chunk.start + chunk.num_tokens, prompt_len) - chunk.start)
-        self.num_prefill_tokens_computed += prefill
         request.num_computed = chunk.start + chunk.num_tokens
+        prompt_len = request.prompt_len
+        if chunk.start >= prompt_len:
+            return  # generated rows only: no prompt block completes
+        prefill = max(0, min(request.num_computed, prompt_len) - chunk.start)
+        self.num_prefill_tokens_computed += prefill
         bs = self.blocks.block_size
         done_blocks = min(request.num_computed, prompt_len) // bs
         for i in range(chunk.start // bs, done_blocks):
