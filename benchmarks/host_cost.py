@@ -120,7 +120,7 @@ def main() -> None:
     if profiler is not None:
         profiler.disable()
         text = io.StringIO()
-        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(40)
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(150)
         Path(args.cprofile).write_text(text.getvalue())
     print(
         f"\nC = {c}, {engine.runner.device}, per step over {args.steps} steps "

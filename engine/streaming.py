@@ -42,10 +42,20 @@ class ChunkWindow:
 
 def window_codes(rows: list[AudioRow], first: int, last: int) -> tuple[tuple[int, ...], ...]:
     """Undoes the delay over frames `[first, last)`: codebook c of frame f is row f + c.
-    Codes outside 0..1023 (BOC, EOC) become 0: never clamped, which would turn EOC into 1023."""
-    return tuple(
-        tuple(_sanitise(rows[f + c][c]) for f in range(first, last)) for c in range(NUM_CODEBOOKS)
-    )
+    Codes outside 0..1023 (BOC, EOC) become 0: never clamped, which would turn EOC into 1023.
+    (Transposes the rows once and slices each column: this runs for every chunk.)"""
+    n = last - first
+    span = rows[first : last + ROW_LAG]
+    if n <= 0 or len(span) < n + ROW_LAG:
+        raise IndexError(f"frames [{first}, {last}) need rows up to {last + ROW_LAG - 1}")
+    columns = list(zip(*span, strict=True))
+    out = []
+    for c in range(NUM_CODEBOOKS):
+        col = columns[c][c : c + n]
+        if min(col) < 0 or max(col) >= 1024:
+            col = tuple(_sanitise(x) for x in col)
+        out.append(col)
+    return tuple(out)
 
 
 def _sanitise(code: int) -> int:
