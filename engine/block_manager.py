@@ -25,10 +25,12 @@ def hash_block(parent: bytes | None, keys: Sequence[object]) -> bytes:
     return h.digest()
 
 
-def hash_prompt_blocks(keys: Sequence[object], block_size: int) -> list[bytes]:
-    """Hashes of every full block of a prompt, in order."""
+def hash_prompt_blocks(
+    keys: Sequence[object], block_size: int, parent: bytes | None = None
+) -> list[bytes]:
+    """Hashes of every full block of a prompt, in order (continuing a chain after `parent`
+    when `keys` start at a block boundary inside a prompt)."""
     hashes: list[bytes] = []
-    parent = None
     for start in range(0, len(keys) - block_size + 1, block_size):
         parent = hash_block(parent, keys[start : start + block_size])
         hashes.append(parent)

@@ -7,6 +7,7 @@ the token's. Knows nothing of tensors, the KV cache or the scheduler; imports no
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -58,6 +59,20 @@ class Prompt:
 def delay_rows(codes: tuple[AudioRow, ...] | list[AudioRow]) -> list[AudioRow]:
     """Lays out `[T, 8]` frames as `[T + 7, 8]` delayed rows: column c is BOC in rows
     0..c-1, the codes in rows c..c+T-1, EOC after."""
+    if isinstance(codes, tuple):
+        try:
+            return list(_delay_rows_cached(codes))  # a voice's reference, once per request
+        except TypeError:  # rows that are lists cannot key the cache
+            pass
+    return _delay_rows(codes)
+
+
+@functools.lru_cache(maxsize=256)
+def _delay_rows_cached(codes: tuple[AudioRow, ...]) -> tuple[AudioRow, ...]:
+    return tuple(_delay_rows(codes))
+
+
+def _delay_rows(codes) -> list[AudioRow]:
     num_frames = len(codes)
     rows = [[EOC] * NUM_CODEBOOKS for _ in range(num_frames + NUM_CODEBOOKS - 1)]
     for c in range(NUM_CODEBOOKS):

@@ -16,6 +16,8 @@ from engine.block_manager import BlockManager, hash_prompt_blocks
 from engine.config import ConfigError, EngineConfig
 from engine.request import FinishReason, Request, RequestStatus
 
+_PREFIX_HASH_ENTRIES = 256  # voice prefixes whose block hashes are remembered
+
 
 @dataclass(slots=True)
 class ScheduledChunk:
@@ -49,6 +51,7 @@ class Scheduler:
         self._free_slots = list(range(config.max_num_seqs - 1, -1, -1))
         self.num_prefill_tokens_computed = 0
         self.num_prefix_cached_tokens = 0
+        self._prefix_hashes: dict[tuple, list[bytes]] = {}
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -69,9 +72,7 @@ class Scheduler:
                 f"one request may need {self.blocks.blocks_needed(longest)} KV blocks but the "
                 f"cache has {self.blocks.num_usable_blocks}; raise num_kv_blocks"
             )
-        request.block_hashes = hash_prompt_blocks(
-            request.prompt.position_keys(), self.blocks.block_size
-        )
+        request.block_hashes = self._block_hashes(request.prompt)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -90,6 +91,22 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         del self.requests[request.request_id]
+
+    def _block_hashes(self, prompt) -> list[bytes]:
+        """Content hashes of the prompt's full blocks. The blocks inside the voice prefix
+        (instruction, transcript, reference rows) are the same for every request with that
+        voice: their chain is remembered for the most recent voices."""
+        bs = self.blocks.block_size
+        n = prompt.prefix_len // bs * bs
+        keys = prompt.position_keys()
+        key = (prompt.token_ids[:n], prompt.audio_rows[:n])
+        head = self._prefix_hashes.pop(key, None)
+        if head is None:
+            head = hash_prompt_blocks(keys[:n], bs)
+        self._prefix_hashes[key] = head  # most recently used last
+        if len(self._prefix_hashes) > _PREFIX_HASH_ENTRIES:
+            self._prefix_hashes.pop(next(iter(self._prefix_hashes)))
+        return head + hash_prompt_blocks(keys[n:], bs, head[-1] if head else None)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

@@ -9,6 +9,8 @@ from pathlib import Path
 from engine.config import ADDED_TOKENS, ConfigError
 from engine.prompt import SpecialTokens
 
+_CACHE_ENTRIES = 4096  # texts whose ids are kept (oldest dropped first)
+
 
 class HiggsTokenizer:
     def __init__(self, path: Path):
@@ -33,9 +35,19 @@ class HiggsTokenizer:
             )
         ids = [vocab[t] for t in ADDED_TOKENS]
         self.special = SpecialTokens(*ids)
+        self._cache: dict[str, tuple[int, ...]] = {}
 
     def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=False))
+        """Token ids of `text`. Recent results are kept: a voice's transcript is encoded for
+        every request that uses it, and the service checks a text before the engine builds
+        its prompt."""
+        ids = self._cache.get(text)
+        if ids is None:
+            ids = tuple(self._tok.encode(text, add_special_tokens=False))
+            if len(self._cache) >= _CACHE_ENTRIES:
+                self._cache.pop(next(iter(self._cache)))  # the oldest entry
+            self._cache[text] = ids
+        return list(ids)
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids)

@@ -181,8 +181,7 @@ def test_a_failed_last_chunk_ends_the_request_with_error(engine, monkeypatch):
 
         def with_failure():
             return [
-                DecodedChunk(d.window, b"", "injected") if d.window.is_last else d
-                for d in result()
+                DecodedChunk(d.window, b"", "injected") if d.window.is_last else d for d in result()
             ]
 
         pending.result = with_failure

@@ -145,6 +145,23 @@ def test_tokenizer_resolves_the_added_tokens(tiny_ckpt, tmp_path):
         HiggsTokenizer(bad)
 
 
+def test_tokenizer_remembers_texts_without_sharing_its_lists(tiny_ckpt, monkeypatch):
+    import engine.tokenizer as tokenizer_module
+
+    monkeypatch.setattr(tokenizer_module, "_CACHE_ENTRIES", 2)
+    tok = HiggsTokenizer(tiny_ckpt)
+    first = tok.encode("hello there")
+    first.append(-1)  # a caller's list is its own
+    assert (
+        tok.encode("hello there")
+        == first[:-1]
+        == tok._tok.encode("hello there", add_special_tokens=False)
+    )
+    tok.encode("a")
+    tok.encode("b")  # the oldest entry makes room
+    assert list(tok._cache) == ["a", "b"]
+
+
 def test_structural_tokens_in_text_are_rejected(tiny_ckpt):
     engine = Engine.from_pretrained(tiny_ckpt, EngineConfig(max_num_seqs=1))
     with pytest.raises(ConfigError, match="structural"):

@@ -649,3 +649,31 @@ def test_no_leak_after_many_random_requests(caching):
     assert all(c == 0 for c in bm._ref_count)
     assert sorted(sim.sched._free_slots) == list(range(4))
     assert not sim.sched.requests and not sim.sched.waiting and not sim.sched.running
+
+
+def test_remembered_voice_prefix_hashes_equal_a_full_hash():
+    """The block hashes of a voice prefix are remembered; a request reusing them gets exactly
+    the hashes a full computation gives, and a different voice (same tokens, other rows) or a
+    different text does not share them beyond what is equal."""
+    from engine.block_manager import hash_prompt_blocks
+
+    sim = Sim(num_blocks=64)
+    voice = [fake_row(i) for i in range(3 * BS)]
+    other = [fake_row(i + 1) for i in range(3 * BS)]
+
+    def prompt(text_ids, rows):
+        ids = [1, *range(100, 100 + len(rows)), 2]  # instruction, placeholders, <|text|>
+        return make_prompt(
+            [*ids, *text_ids, 3], [None, *rows, None, *[None] * (len(text_ids) + 1)], len(ids)
+        )
+
+    prompts = [
+        prompt(range(500, 520), voice),
+        prompt(range(600, 640), voice),  # the same voice: its prefix hashes are reused
+        prompt(range(500, 520), other),  # same tokens, other reference rows
+    ]
+    hashes = [sim.sched._block_hashes(p) for p in prompts]
+    for p, h in zip(prompts, hashes, strict=True):
+        assert h == hash_prompt_blocks(p.position_keys(), BS)
+    assert hashes[0][:3] == hashes[1][:3] and hashes[0][3] != hashes[1][3]
+    assert not set(hashes[0]) & set(hashes[2])
