@@ -41,8 +41,13 @@ def _add_batch(engine: Engine, prefix: str, batch: int, context: int, max_rows: 
         )
 
 
-def time_batch(engine: Engine, batch: int, context: int, steps: int) -> float:
-    _add_batch(engine, f"b{batch}", batch, context, steps + 20, seed=batch)
+def time_batch(engine: Engine, batch: int, context: int, steps: int, sync=torch.cuda.synchronize):
+    """(ms per step, rows per step) over `steps` decode steps of `batch` requests. Every
+    request's row cap outlasts the prefill of all of them plus the timed steps: with a cap
+    shorter than the prefill, the first requests finish before the last start decoding and
+    the batch shrinks inside the timed window."""
+    prefill_steps = -(-batch * (context + 10) // engine.config.max_num_batched_tokens)
+    _add_batch(engine, f"b{batch}", batch, context, prefill_steps + steps + 40, seed=batch)
     while (
         any(r.num_computed < len(r.prompt) for r in engine.scheduler.running)
         or engine.scheduler.waiting
@@ -50,16 +55,22 @@ def time_batch(engine: Engine, batch: int, context: int, steps: int) -> float:
         engine.step()
     for _ in range(5):
         engine.step()
-    torch.cuda.synchronize()
+    sync()
+    rows = 0
     t0 = time.perf_counter()
     for _ in range(steps):
-        engine.step()
-    torch.cuda.synchronize()
+        rows += sum(len(out.new_rows) for out in engine.step())
+    sync()
     ms = (time.perf_counter() - t0) / steps * 1e3
+    return ms, rows / steps
+
+
+def time_and_replay(engine: Engine, batch: int, context: int, steps: int):
+    ms, rows = time_batch(engine, batch, context, steps)
     gpu_ms, launch_us = replay_only(engine, batch, steps)
     for i in range(batch):
         engine.abort(f"b{batch}-{i}")
-    return ms, gpu_ms, launch_us
+    return ms, rows, gpu_ms, launch_us
 
 
 def replay_only(engine: Engine, batch: int, steps: int) -> tuple[float, float]:
@@ -121,28 +132,31 @@ def main() -> None:
                 f"+{r.reserved_bytes / 2**20:.0f} MiB reserved"
             )
         for b in batches:
-            ms, gpu_ms, launch_us = time_batch(engine, b, args.context, args.steps)
-            rows.append((name, b, ms, floor_ms(b, args.context), gpu_ms, launch_us))
+            ms, per_step, gpu_ms, launch_us = time_and_replay(engine, b, args.context, args.steps)
+            rows.append((name, b, per_step, ms, floor_ms(b, args.context), gpu_ms, launch_us))
         if args.profile and extra["cuda_graphs"]:
             profile_step(engine, 64, args.context, args.profile)
         del engine
         torch.cuda.empty_cache()
     print(f"\ndecode step, {torch.cuda.get_device_name()}, context ~{args.context}")
     print("(step: engine.step() in a loop; graphs only: the same graphs replayed back to back)")
-    header = ("variant", "batch", "step ms", "floor ms", "x floor", "audio-s/s", "graphs ms")
-    print("{:<14}{:>6} {:>9} {:>9} {:>8} {:>10} {:>10}  launch us".format(*header))
-    for name, b, ms, fl, gpu, launch in rows:
+    header = ("variant", "batch", "rows", "step ms", "floor ms", "x floor", "audio-s/s")
+    print("{:<14}{:>6}{:>7} {:>9} {:>9} {:>8} {:>10}  graphs ms  launch us".format(*header))
+    for name, b, per_step, ms, fl, gpu, launch in rows:
+        rate = per_step / (ms / 1e3) / 25
         print(
-            f"{name:<14}{b:>6} {ms:>9.2f} {fl:>9.2f} {ms / fl:>8.2f} {b / (ms / 1e3) / 25:>10.1f}"
-            f" {gpu:>10.2f}  {launch:.0f}"
+            f"{name:<14}{b:>6}{per_step:>7.1f} {ms:>9.2f} {fl:>9.2f} {ms / fl:>8.2f} {rate:>10.1f}"
+            f"  {gpu:>9.2f}  {launch:.0f}"
         )
+        if per_step < b:
+            print(f"  (batch {b}: only {per_step:.1f} rows per timed step; the row is not valid)")
 
 
 def profile_step(engine: Engine, batch: int, context: int, path: str) -> None:
     """Kernel and host time of 10 decode steps at `batch`, written to `path`."""
     from torch.profiler import ProfilerActivity, profile
 
-    time_batch(engine, batch, context, 2)  # leaves nothing running; set up a fresh batch
+    time_and_replay(engine, batch, context, 2)  # leaves nothing running; a fresh batch next
     _add_batch(engine, "p", batch, context, 60, seed=0)
     for _ in range(20):
         engine.step()
