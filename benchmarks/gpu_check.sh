@@ -8,6 +8,8 @@
 #   PYTEST_ARGS  tests to run (default: the whole suite; "" skips them)
 #   LOOP=1       the engine alone under the served load, async vs sync (LOOP_C: concurrencies)
 #   SERVE=1      a reduced served run (SERVE_C: concurrencies, SERVE_N: timed requests)
+#   PROTOCOL=1   the full served protocol of performance.md (C = 1..256, 3 fresh starts)
+#   HOST=1       host work per engine step at C = 64 and 128 (benchmarks/host_cost.py)
 #   STEP_ARGS    extra arguments of the decode-step table (STEP=0 skips it)
 # Each part has its own time limit, so one slow part cannot eat the whole call.
 set -uo pipefail
@@ -37,6 +39,14 @@ if [ "${LOOP:-0}" = 1 ]; then
 fi
 if [ "${SERVE:-0}" = 1 ]; then
   timeout 300 python3 benchmarks/serve_bench.py --model $CKPT --concurrency ${SERVE_C:-1,64} --requests ${SERVE_N:-0} --warmup -1 --starts 1 --out "$OUT/serve" 2>&1 | tail -6
+fi
+if [ "${PROTOCOL:-0}" = 1 ]; then
+  timeout 560 python3 benchmarks/serve_bench.py --model $CKPT --concurrency 1,32,64,128,256 --requests 256 --warmup 64 --c1-requests 24 --starts 3 --fresh-server --max-num-seqs 256 --out "$OUT/protocol" 2>&1 | tail -22
+fi
+if [ "${HOST:-0}" = 1 ]; then
+  for c in 64 128; do
+    timeout 100 python3 benchmarks/host_cost.py --model $CKPT --concurrency $c --gc-tuned --steps 80 2>&1 | grep -v Warn | tail -17
+  done
 fi
 if [ "${STEP:-1}" = 1 ]; then
   timeout 200 python3 benchmarks/eager_step.py --ckpt $CKPT --profile "$OUT/profile.txt" ${STEP_ARGS:-} 2>&1 | tee "$OUT/eager_step.log" | tail -14
