@@ -21,7 +21,7 @@ from engine.attention import make_backend
 from engine.block_manager import BlockManager
 from engine.checkpoint_writer import UNTRAINED_NOTICE, default_model_dir
 from engine.codec.audio_io import AudioLimits
-from engine.codec.chunk_decoder import PendingChunks
+from engine.codec.chunk_decoder import DecodedChunk, PendingChunks
 from engine.codec.codec import Codec
 from engine.codec.codec_graphs import CodecGraphs
 from engine.config import ConfigError, EngineConfig, SamplingParams, VoiceReference
@@ -155,10 +155,10 @@ class Engine:
         self._in_flight: PendingStep | None = None
         # Audio windows submitted to the codec and not read back yet, oldest first: (the
         # pending decode, each window's request). A request that finished while its last
-        # chunk was being decoded waits in _held with its reason: its finishing event goes
-        # out with that chunk.
+        # chunk was being decoded waits in _held (its finish_reason set): its finishing event
+        # goes out with that chunk, and its id stays taken until then.
         self._audio_in_flight: list[tuple[PendingChunks, list[Request]]] = []
-        self._held: dict[str, FinishReason] = {}
+        self._held: dict[str, Request] = {}
         if is_default:
             log.warning(UNTRAINED_NOTICE)
 
@@ -218,6 +218,10 @@ class Engine:
             audio = self.codec is not None
         if audio and self.codec is None:
             raise ConfigError("this engine has no codec: load one, or pass audio=False for codes")
+        if request_id in self._held:
+            raise ConfigError(
+                f"request id {request_id!r} is already in use (its last chunk is decoding)"
+            )
         prompt = build_prompt(self.tokenizer, self.tokenizer.special, text, reference)
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8)) >> 1
         self.scheduler.add(Request(request_id, prompt, params, seed))
@@ -281,8 +285,11 @@ class Engine:
             self._in_flight = None
 
     def rows(self, request_id: str) -> list[AudioRow]:
-        """Rows generated so far by an unfinished request."""
-        return list(self.scheduler.requests[request_id].output_rows)
+        """Rows generated so far by a request whose finish has not been reported."""
+        request = self.scheduler.requests.get(request_id) or self._held.get(request_id)
+        if request is None:
+            raise KeyError(request_id)
+        return list(request.output_rows)
 
     # -- the step ----------------------------------------------------------------------------
 
@@ -393,11 +400,17 @@ class Engine:
         outputs = []
         batches, self._audio_in_flight = self._audio_in_flight, []
         for pending, owners in batches:
+            try:
+                decoded_chunks = pending.result()
+            except Exception as exc:  # reading the batch back failed: its requests end alone
+                log.exception("reading a codec batch back failed")
+                error = f"codec read-back failed: {type(exc).__name__}: {exc}"
+                decoded_chunks = [DecodedChunk(w, b"", error) for w in pending.windows]
             now = time.monotonic()
-            for decoded, request in zip(pending.result(), owners, strict=True):
+            for decoded, request in zip(decoded_chunks, owners, strict=True):
                 w = decoded.window
-                held = self._held.get(request.request_id)
-                if request.is_finished and held is None:
+                held = self._held.get(request.request_id) is request
+                if request.is_finished and not held:
                     continue  # aborted, or already ended by an earlier chunk's error
                 chunk = AudioChunk(
                     w.request_id,
@@ -411,7 +424,11 @@ class Engine:
                     now,
                     decoded.error,
                 )
-                reason = FinishReason.ERROR if decoded.error else held if w.is_last else None
+                reason = None
+                if decoded.error:
+                    reason = FinishReason.ERROR
+                elif w.is_last and held:
+                    reason = request.finish_reason
                 if reason is None:
                     outputs.append(RequestOutput(request.request_id, [], audio=chunk))
                     continue
@@ -432,7 +449,7 @@ class Engine:
             return RequestOutput(request.request_id, [row])
         self._finish(request, reason)
         if decoding:
-            self._held[request.request_id] = reason
+            self._held[request.request_id] = request
             return RequestOutput(request.request_id, [row])
         return RequestOutput(request.request_id, [row], True, reason.value, request.output_rows)
 

@@ -4,6 +4,7 @@ tokens, resolved at load time (never hard-coded). Text is encoded without specia
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 from engine.config import ADDED_TOKENS, ConfigError
@@ -36,6 +37,7 @@ class HiggsTokenizer:
         ids = [vocab[t] for t in ADDED_TOKENS]
         self.special = SpecialTokens(*ids)
         self._cache: dict[str, tuple[int, ...]] = {}
+        self._cache_lock = threading.Lock()
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`. Recent results are kept: a voice's transcript is encoded for
@@ -44,9 +46,10 @@ class HiggsTokenizer:
         ids = self._cache.get(text)
         if ids is None:
             ids = tuple(self._tok.encode(text, add_special_tokens=False))
-            if len(self._cache) >= _CACHE_ENTRIES:
-                self._cache.pop(next(iter(self._cache)))  # the oldest entry
-            self._cache[text] = ids
+            with self._cache_lock:  # the event loop and the engine thread both encode
+                if len(self._cache) >= _CACHE_ENTRIES:
+                    self._cache.pop(next(iter(self._cache)))  # the oldest entry
+                self._cache[text] = ids
         return list(ids)
 
     def decode(self, ids: list[int]) -> str:

@@ -85,6 +85,48 @@ def test_abort_while_the_last_chunk_decodes_reports_nothing_more(engine):
     assert not engine.has_unfinished()
 
 
+def test_a_held_request_keeps_its_id_until_its_finish_is_reported(engine):
+    engine.add_request("busy3", "Keeps going.", params=SamplingParams(seed=5, max_rows=45))
+    engine.add_request("same", "First use.", params=SamplingParams(seed=2, max_rows=30))
+    rows = 0
+    while rows < 30:
+        rows += sum(len(e.new_rows) for e in engine.step() if e.request_id == "same")
+    assert len(engine.rows("same")) == 30  # finished inside, not yet reported
+    with pytest.raises(ConfigError, match="already in use"):
+        engine.add_request("same", "Second use.", params=SamplingParams(seed=9, max_rows=20))
+    first = _collect(engine, "same")
+    assert [e.finished for e in first] == [True] and len(first[0].rows) == 30
+    engine.add_request("same", "Second use.", params=SamplingParams(seed=9, max_rows=20))
+    second = _collect(engine, "same")
+    assert [e.finished for e in second].count(True) == 1 and len(second[-1].rows) == 20
+
+
+def test_a_codec_batch_that_cannot_be_read_back_ends_only_its_requests(engine, monkeypatch):
+    """An error while reading a batch back (on CUDA: surfacing at the event) ends the requests
+    whose windows were in it, with an error; a codes-only request goes on to its finish."""
+    from engine.codec.chunk_decoder import PendingChunks
+
+    original, calls = PendingChunks.result, []
+
+    def failing_once(self):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected read-back failure")
+        return original(self)
+
+    monkeypatch.setattr(PendingChunks, "result", failing_once)
+    engine.add_request("x", "Has audio.", params=SamplingParams(seed=1, max_rows=40))
+    engine.add_request("y", "Codes only.", params=SamplingParams(seed=2, max_rows=40), audio=False)
+    finishes = {}
+    while engine.has_unfinished():
+        for e in engine.step():
+            if e.finished:
+                assert e.request_id not in finishes
+                finishes[e.request_id] = (e.finish_reason, len(e.rows))
+    assert finishes["x"][0] == "error" and finishes["y"] == ("length", 40)
+    assert engine.stats.num_running == 0 and not engine._held and not engine._audio_in_flight
+
+
 def test_generate_returns_the_concatenated_stream(engine):
     [r] = engine.generate(["Whole."], params=SamplingParams(seed=5, max_rows=40))
     assert len(r.pcm) == (40 - 8) * 1920

@@ -162,6 +162,38 @@ def test_tokenizer_remembers_texts_without_sharing_its_lists(tiny_ckpt, monkeypa
     assert list(tok._cache) == ["a", "b"]
 
 
+def test_tokenizer_cache_is_safe_across_threads(tiny_ckpt, monkeypatch):
+    """The event loop (checking texts) and the engine thread (building prompts) both encode;
+    evicting from a full cache at the same time must not fail either of them."""
+    import sys
+    import threading
+
+    import engine.tokenizer as tokenizer_module
+
+    monkeypatch.setattr(tokenizer_module, "_CACHE_ENTRIES", 4)
+    tok = HiggsTokenizer(tiny_ckpt)
+    errors = []
+
+    def work(prefix):
+        try:
+            for i in range(1500):
+                tok.encode(f"{prefix} text {i}")
+        except Exception as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(p,)) for p in ("a", "b", "c")]
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(switch)
+    assert errors == [] and len(tok._cache) <= 4
+
+
 def test_structural_tokens_in_text_are_rejected(tiny_ckpt):
     engine = Engine.from_pretrained(tiny_ckpt, EngineConfig(max_num_seqs=1))
     with pytest.raises(ConfigError, match="structural"):
