@@ -166,9 +166,10 @@ class EngineConfig:
     # flight); False: each step's rows are read before the next step is scheduled.
     async_scheduling: bool = True
     codec_dtype: str = "float32"
-    # Codec windows decoded together up to this batch replay CUDA graphs (one per batch size
-    # and window shape, captured before any request); larger batches run eagerly. None: up to
-    # max_num_seqs; 0: no codec graphs.
+    # Codec windows decoded together replay CUDA graphs (one per batch size and window shape,
+    # captured before any request) up to this batch; larger batches are decoded in slices of
+    # it. None: min(max_num_seqs, 64) (a step rarely completes more windows; each batch size
+    # costs capture time and memory); 0: no codec graphs.
     codec_graph_max_batch: int | None = None
     stream: StreamConfig = StreamConfig()
     voice_cache_bytes: int = 64 * 1024 * 1024

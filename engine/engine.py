@@ -35,6 +35,7 @@ from engine.streaming import AudioStream, ChunkWindow
 from engine.tokenizer import HiggsTokenizer
 
 log = logging.getLogger("clonecast.engine")
+DEFAULT_CODEC_GRAPH_BATCH = 64  # codec graphs captured up to this batch unless configured
 
 
 @dataclass(frozen=True)
@@ -175,7 +176,8 @@ class Engine:
         pool = self.runner.graphs.pool if self.runner.graphs is not None else None
         self.capture_reports.append(self.runner.sampler_graphs.capture(pool))
         max_batch = self.config.codec_graph_max_batch
-        max_batch = self.config.max_num_seqs if max_batch is None else max_batch
+        if max_batch is None:
+            max_batch = min(self.config.max_num_seqs, DEFAULT_CODEC_GRAPH_BATCH)
         if self.codec is not None and max_batch > 0:
             stream = self.config.stream
             window = stream.left_context_frames + stream.chunk_frames + stream.holdback_frames

@@ -87,13 +87,16 @@ class ChunkDecoder:
                 pending._done[i] = DecodedChunk(w, b"")
             else:
                 groups[w.window_frames].append(i)
-        for members in groups.values():
-            try:
-                pcm, finite, event = self._launch_batch([windows[i] for i in members])
-                pending._launched.append((members, pcm, finite, event))
-            except Exception:
-                for i in members:
-                    pending._done[i] = self._decode_one(windows[i])
+        limit = self.graphs.max_batch if self.graphs is not None else len(windows)
+        for group in groups.values():
+            for start in range(0, len(group), limit):  # batches the graphs cover
+                members = group[start : start + limit]
+                try:
+                    pcm, finite, event = self._launch_batch([windows[i] for i in members])
+                    pending._launched.append((members, pcm, finite, event))
+                except Exception:
+                    for i in members:
+                        pending._done[i] = self._decode_one(windows[i])
         return pending
 
     def _decode_one(self, window: ChunkWindow) -> DecodedChunk:

@@ -1,7 +1,8 @@
 """CUDA graphs of the codec decoder for the exact shapes streaming produces: (b, 8) first
-chunks and (b, 33) steady windows for every batch size up to the maximum, and (1, 1..33)
-tails. Never padded in time (the decoder is not causal: padding would change the audio).
-Captured once at start-up; any other shape runs eagerly."""
+chunks and (b, 33) steady windows for every batch size up to the maximum (ChunkDecoder
+splits larger batches), and (1, 1..33) tails. Never padded in time (the decoder is not
+causal: padding would change the audio). Captured once at start-up; any other shape runs
+eagerly."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ class CodecGraphs:
         max_tail: int = 33,
     ):
         self.decoder = decoder
+        self.max_batch = max_batch  # larger batches are decoded in slices of this size
         shapes = {(b, t) for b in range(1, max_batch + 1) for t in (first_frames, window_frames)}
         shapes |= {(1, t) for t in range(1, max_tail + 1)}
         self.shapes = sorted(shapes, key=lambda s: s[0] * s[1], reverse=True)  # large first

@@ -140,6 +140,28 @@ def test_mixed_lengths_are_grouped_and_returned_in_input_order(codec, monkeypatc
         assert pcm_diff(d.pcm, want) <= 1
 
 
+def test_batches_larger_than_the_captured_graphs_are_decoded_in_slices(codec, monkeypatch):
+    """With codec graphs up to batch 2, five same-length windows are decoded as 2 + 2 + 1 (each
+    a captured shape), in input order, with the same audio as one batch."""
+
+    class NoGraphs:  # the slicing rule only; no shape is captured, so each slice runs eagerly
+        max_batch = 2
+
+        def run(self, codes):
+            return None
+
+    windows = [window(f"s{i}", 8, 25, seed=60 + i) for i in range(5)]
+    whole = codec.chunks.decode(windows)
+    spy = Spy(codec.chunks.decoder)
+    monkeypatch.setattr(codec.chunks, "decoder", spy)
+    monkeypatch.setattr(codec.chunks, "graphs", NoGraphs())
+    sliced = codec.chunks.decode(windows)
+    assert [shape[0] for shape in spy.shapes] == [2, 2, 1]
+    assert [d.window for d in sliced] == windows
+    for a, b in zip(whole, sliced, strict=True):
+        assert b.error is None and pcm_diff(a.pcm, b.pcm) <= 1
+
+
 # -- failure isolation -------------------------------------------------------------------------
 
 
