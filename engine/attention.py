@@ -156,7 +156,50 @@ class TritonAttention:
         )
 
 
-BACKENDS = {"torch": TorchAttention, "triton": TritonAttention}
+class VarlenAttention:
+    """PyTorch's FlashAttention variable-length kernel (`torch.nn.attention.varlen`, CUDA,
+    bf16/fp16). In torch 2.11 it takes packed K/V, not pages: every layer gathers each
+    sequence's whole context from the cache into one packed tensor (extra reads and writes of
+    the context), so this is a comparison backend. Eager only: the packed length changes every
+    step, and the engine captures graphs for the Triton backend alone. No host sync: the
+    packed buffer is sized by `num_seqs * max_seq_len`, sequences placed at the cumulative
+    lengths computed on the device."""
+
+    name = "varlen"
+
+    def forward(self, q, k, v, kv_cache, meta, scale):
+        from torch.nn.attention.varlen import varlen_attn
+
+        store_kv(k, v, kv_cache, meta.slot_mapping[: meta.num_tokens])
+        b, t = meta.num_seqs, meta.num_tokens
+        _, num_blocks, block_size, hkv, d = kv_cache.shape
+        width = meta.max_seq_len
+        lens = meta.seq_lens[:b].long()
+        cu_k = torch.zeros(b + 1, dtype=torch.int32, device=q.device)
+        torch.cumsum(lens, 0, out=cu_k[1:])
+        pos = torch.arange(width, device=q.device)
+        valid = pos[None, :] < lens[:, None]  # [B, W]
+        tables = meta.block_tables[:b, : -(-width // block_size)].long()
+        slots = tables[:, pos // block_size] * block_size + pos % block_size  # [B, W]
+        dest = torch.where(valid, cu_k[:b, None].long() + pos[None, :], b * width)  # spare row
+        flat = kv_cache.view(2, num_blocks * block_size, hkv, d)
+        packed = flat.new_empty(2, b * width + 1, hkv, d)
+        packed[:, dest.reshape(-1)] = flat[:, slots.reshape(-1)]
+        out = varlen_attn(
+            q[:t],
+            packed[0],
+            packed[1],
+            meta.query_start_loc[: b + 1].to(torch.int32),
+            cu_k,
+            meta.max_query_len,
+            width,
+            scale=scale,
+            window_size=(-1, 0),  # causal, queries aligned to the end of their sequence
+        )
+        return out
+
+
+BACKENDS = {"torch": TorchAttention, "triton": TritonAttention, "varlen": VarlenAttention}
 
 
 def make_backend(name: str) -> AttentionBackend:

@@ -159,7 +159,8 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     kv_cache_memory_fraction: float = 0.6
     enable_prefix_caching: bool = True
-    attention_backend: str = "auto"  # auto: triton on CUDA, torch on the CPU
+    # auto: triton on CUDA, torch on the CPU; varlen: PyTorch's FlashAttention (CUDA, eager)
+    attention_backend: str = "auto"
     fused_kernels: bool = True  # Triton norm/RoPE/SiLU and codec Snake on CUDA; False: torch
     cuda_graphs: bool = True  # FULL backbone graphs (CUDA with the Triton backend); False: eager
     # The host schedules and launches step N+1 before it reads step N's rows (one step in
@@ -191,10 +192,13 @@ class EngineConfig:
             raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ConfigError("num_kv_blocks must be >= 2 (block 0 is reserved for padding)")
-        if self.attention_backend not in ("auto", "torch", "triton"):
+        if self.attention_backend not in ("auto", "torch", "triton", "varlen"):
             raise ConfigError(
-                f"attention_backend must be auto/torch/triton, got {self.attention_backend!r}"
+                "attention_backend must be auto/torch/triton/varlen, got "
+                f"{self.attention_backend!r}"
             )
+        if self.attention_backend == "varlen" and self.device == "cpu":
+            raise ConfigError("attention_backend 'varlen' (PyTorch FlashAttention) needs CUDA")
         if not 0.0 < self.kv_cache_memory_fraction < 1.0:
             raise ConfigError("kv_cache_memory_fraction must be in (0, 1)")
         if self.codec_graph_max_batch is not None and self.codec_graph_max_batch < 0:

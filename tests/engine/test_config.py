@@ -168,6 +168,14 @@ def test_engine_config_other_invalid(kwargs):
         EngineConfig(**kwargs)
 
 
+def test_varlen_attention_needs_cuda():
+    with pytest.raises(ConfigError, match="needs CUDA"):
+        EngineConfig(attention_backend="varlen")
+    assert EngineConfig(device="cuda", attention_backend="varlen").attention_backend == "varlen"
+    with pytest.raises(ConfigError, match="auto/torch/triton/varlen"):
+        EngineConfig(attention_backend="flash")
+
+
 # -- ModelConfig.from_checkpoint_config -----------------------------------------------------
 
 TEXT_CONFIG = {
