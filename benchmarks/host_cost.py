@@ -40,9 +40,9 @@ PARTS = [
     ("scheduler", "on_chunk_done", "on_chunk_done", "host"),
     (PendingStep, "result", "wait for rows", "wait"),
     ("", "_append_rows", "append rows", "host"),
-    ("", "_submit_audio", "audio windows + codec launch", "host"),
+    ("audio", "submit", "audio windows + codec launch", "host"),
     ("codec.chunks", "_launch_batch", "codec launch (compute on CPU)", "inner"),
-    ("", "_collect_audio", "read codec audio", "host"),
+    ("audio", "collect", "read codec audio", "host"),
     (PendingChunks, "result", "wait for codec", "inner"),
     ("", "_output", "events", "host"),
 ]

@@ -26,7 +26,7 @@ _PUBLIC = {
     "SamplingParams": "engine.config",
     "VoiceReference": "engine.config",
     "StreamConfig": "engine.config",
-    "AudioChunk": "engine.engine",
+    "AudioChunk": "engine.audio_output",
     "ReferenceAudioError": "engine.codec.audio_io",
     "AudioLimits": "engine.codec.audio_io",
     "StreamingResampler": "engine.codec.resample",
@@ -34,7 +34,7 @@ _PUBLIC = {
     "Engine": "engine.engine",
     "EngineStats": "engine.engine",
     "GenerationResult": "engine.engine",
-    "RequestOutput": "engine.engine",
+    "RequestOutput": "engine.audio_output",
 }
 
 __all__ = sorted(_PUBLIC)

@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 
 from engine.attention import make_backend
+from engine.audio_output import AudioOutput, RequestOutput
 from engine.block_manager import BlockManager
 from engine.checkpoint_writer import UNTRAINED_NOTICE, default_model_dir
 from engine.codec.audio_io import AudioLimits
-from engine.codec.chunk_decoder import DecodedChunk, PendingChunks
 from engine.codec.codec import Codec
 from engine.codec.codec_graphs import CodecGraphs
 from engine.config import ConfigError, EngineConfig, SamplingParams, VoiceReference
@@ -31,48 +31,10 @@ from engine.prompt import AudioRow, build_prompt
 from engine.request import FinishReason, Request
 from engine.runner import ModelRunner, PendingStep
 from engine.scheduler import Scheduler
-from engine.streaming import AudioStream, ChunkWindow
 from engine.tokenizer import HiggsTokenizer
 
 log = logging.getLogger("clonecast.engine")
 DEFAULT_CODEC_GRAPH_BATCH = 64  # codec graphs captured up to this batch unless configured
-
-
-@dataclass(frozen=True)
-class AudioChunk:
-    """A piece of a request's audio: PCM16 little-endian, 24 kHz mono, frames `[start, end)`
-    (40 ms each). The last chunk of a request has `is_last` (it may be empty). Times are
-    `time.monotonic()` seconds: request arrival, its first generated row, this chunk ready."""
-
-    request_id: str
-    index: int
-    pcm: bytes
-    start_frame: int
-    end_frame: int
-    is_last: bool
-    arrival_time: float
-    first_row_time: float | None
-    ready_time: float
-    error: str | None = None
-
-    @property
-    def duration_s(self) -> float:
-        return len(self.pcm) / 2 / 24000
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    """What one step produced for one request: its new delayed audio rows, the audio chunk
-    that became ready (if any), and on the last event the finish reason and every row.
-    (Not frozen: one is made per running request per step, and frozen dataclasses are
-    several times slower to build; treat it as read-only.)"""
-
-    request_id: str
-    new_rows: list[AudioRow]
-    finished: bool = False
-    finish_reason: str | None = None
-    rows: list[AudioRow] | None = None  # all rows, on the finishing event only
-    audio: AudioChunk | None = None
 
 
 @dataclass(frozen=True)
@@ -151,15 +113,9 @@ class Engine:
         if config.cuda_graphs and device.type == "cuda":
             self._capture_graphs(backend)
         self.audio_limits = AudioLimits()
-        self._streams: dict[str, AudioStream] = {}
+        self.audio = AudioOutput(self.codec.chunks if self.codec else None, config.stream)
         self._counters = _Counters()
         self._in_flight: PendingStep | None = None
-        # Audio windows submitted to the codec and not read back yet, oldest first: (the
-        # pending decode, each window's request). A request that finished while its last
-        # chunk was being decoded waits in _held (its finish_reason set): its finishing event
-        # goes out with that chunk, and its id stays taken until then.
-        self._audio_in_flight: list[tuple[PendingChunks, list[Request]]] = []
-        self._held: dict[str, Request] = {}
         if is_default:
             log.warning(UNTRAINED_NOTICE)
 
@@ -220,7 +176,7 @@ class Engine:
             audio = self.codec is not None
         if audio and self.codec is None:
             raise ConfigError("this engine has no codec: load one, or pass audio=False for codes")
-        if request_id in self._held:
+        if request_id in self.audio.held:
             raise ConfigError(
                 f"request id {request_id!r} is already in use (its last chunk is decoding)"
             )
@@ -228,7 +184,7 @@ class Engine:
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8)) >> 1
         self.scheduler.add(Request(request_id, prompt, params, seed))
         if audio:
-            self._streams[request_id] = AudioStream(request_id, self.config.stream)
+            self.audio.open(request_id)
 
     def check_text(self, text: str, reference: VoiceReference | None = None) -> None:
         """Raises ConfigError if `text` cannot be spoken (empty, structural tokens, too long
@@ -268,7 +224,7 @@ class Engine:
         request = self.scheduler.requests.get(request_id)
         if request is None:
             # finished, its last chunk still decoding: nothing more is reported for it
-            return self._held.pop(request_id, None) is not None
+            return self.audio.release(request_id)
         self._finish(request, FinishReason.ABORT)
         return True
 
@@ -277,7 +233,7 @@ class Engine:
         return (
             self.scheduler.has_unfinished()
             or self._in_flight is not None
-            or bool(self._audio_in_flight)
+            or bool(self.audio.in_flight)
         )
 
     def _drop_ended_in_flight(self) -> None:
@@ -288,7 +244,7 @@ class Engine:
 
     def rows(self, request_id: str) -> list[AudioRow]:
         """Rows generated so far by a request whose finish has not been reported."""
-        request = self.scheduler.requests.get(request_id) or self._held.get(request_id)
+        request = self.scheduler.requests.get(request_id) or self.audio.held.get(request_id)
         if request is None:
             raise KeyError(request_id)
         return list(request.output_rows)
@@ -327,11 +283,12 @@ class Engine:
             pending = launched
         # Audio submitted by earlier steps has run beside the GPU work since: read it now,
         # then this step's rows (which submit the windows they complete).
-        outputs = early + self._collect_audio()
+        outputs = early + self.audio.collect(self._finish)
         if pending is not None:
             outputs += self._read(pending)
         if self._in_flight is None and launched is None:
-            outputs += self._collect_audio()  # nothing left on the GPU: hold nothing back
+            # nothing left on the GPU: hold no audio back
+            outputs += self.audio.collect(self._finish)
         self._counters.seconds += time.perf_counter() - t0
         return outputs
 
@@ -353,7 +310,7 @@ class Engine:
         for request in sampled.requests:
             request.num_inflight -= 1
         updates = self._append_rows(sampled)
-        decoding = self._submit_audio(updates)
+        decoding = self.audio.submit(updates)
         return [
             self._output(request, row, reason, request.request_id in decoding)
             for request, row, reason in updates
@@ -379,71 +336,6 @@ class Engine:
         self._counters.rows += len(updates)
         return updates
 
-    def _submit_audio(self, updates) -> set[str]:
-        """Submits the windows that became ready this step (one codec batch per shape) and
-        returns the ids of their requests; their audio is read by a later `_collect_audio`."""
-        windows: list[ChunkWindow] = []
-        owners: list[Request] = []
-        for request, _, reason in updates:
-            stream = self._streams.get(request.request_id)
-            if stream is not None:
-                window = stream.next_window(request.output_rows, finished=reason is not None)
-                if window is not None:
-                    windows.append(window)
-                    owners.append(request)
-        if not windows:
-            return set()
-        self._audio_in_flight.append((self.codec.chunks.submit(windows), owners))
-        return {r.request_id for r in owners}
-
-    def _collect_audio(self) -> list[RequestOutput]:
-        """Reads every submitted codec batch (waiting for any still running) and turns its
-        chunks into events; a codec failure ends its request alone, with an error."""
-        outputs = []
-        batches, self._audio_in_flight = self._audio_in_flight, []
-        for pending, owners in batches:
-            try:
-                decoded_chunks = pending.result()
-            except Exception as exc:  # reading the batch back failed: its requests end alone
-                log.exception("reading a codec batch back failed")
-                error = f"codec read-back failed: {type(exc).__name__}: {exc}"
-                decoded_chunks = [DecodedChunk(w, b"", error) for w in pending.windows]
-            now = time.monotonic()
-            for decoded, request in zip(decoded_chunks, owners, strict=True):
-                w = decoded.window
-                held = self._held.get(request.request_id) is request
-                if request.is_finished and not held:
-                    continue  # aborted, or already ended by an earlier chunk's error
-                chunk = AudioChunk(
-                    w.request_id,
-                    w.index,
-                    decoded.pcm,
-                    w.start,
-                    w.end,
-                    w.is_last or bool(decoded.error),
-                    request.arrival_time,
-                    request.first_row_time,
-                    now,
-                    decoded.error,
-                )
-                reason = None
-                if decoded.error:
-                    reason = FinishReason.ERROR
-                elif w.is_last and held:
-                    reason = request.finish_reason
-                if reason is None:
-                    outputs.append(RequestOutput(request.request_id, [], audio=chunk))
-                    continue
-                self._held.pop(request.request_id, None)
-                if not request.is_finished:
-                    self._finish(request, reason)
-                outputs.append(
-                    RequestOutput(
-                        request.request_id, [], True, reason.value, request.output_rows, chunk
-                    )
-                )
-        return outputs
-
     def _output(self, request: Request, row: AudioRow, reason, decoding: bool) -> RequestOutput:
         """The event of one new row. A request that ends with its last chunk still decoding
         is finished now (its blocks and slot are freed) and reported when the chunk is read."""
@@ -451,14 +343,14 @@ class Engine:
             return RequestOutput(request.request_id, [row])
         self._finish(request, reason)
         if decoding:
-            self._held[request.request_id] = request
+            self.audio.hold(request)
             return RequestOutput(request.request_id, [row])
         return RequestOutput(request.request_id, [row], True, reason.value, request.output_rows)
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         self.scheduler.finish(request, reason)
         self.runner.remove_request(request)
-        self._streams.pop(request.request_id, None)
+        self.audio.close(request.request_id)
 
     # -- conveniences ------------------------------------------------------------------------
 

@@ -55,17 +55,24 @@ def test_chunks_stream_with_exact_sizes_and_timestamps(engine):
     assert events[-1].finished and events[-1].audio is chunks[-1]
 
 
-def test_a_request_ends_when_its_last_chunk_is_read(engine):
-    """Its blocks are freed with the last row; the finishing event (with the last chunk)
-    comes when the codec's work is read back, one step later, and nothing follows it. (A
-    second request keeps the GPU busy: with nothing left to run, audio is not held back.)"""
-    engine.add_request("busy", "Keeps going.", params=SamplingParams(seed=5, max_rows=45))
-    engine.add_request("late", "Ends late.", params=SamplingParams(seed=4, max_rows=30))
+def _until_last_row(engine, rid: str, busy: str, max_rows: int, seed: int) -> list:
+    """Adds `rid` (capped at `max_rows`) beside a longer request `busy` that keeps the GPU
+    working, and steps until `rid`'s last row is out; returns `rid`'s events so far. Its last
+    chunk is then still decoding: with nothing left to run, audio would not be held back."""
+    engine.add_request(busy, "Keeps going.", params=SamplingParams(seed=5, max_rows=45))
+    engine.add_request(rid, "Ends late.", params=SamplingParams(seed=seed, max_rows=max_rows))
     rows, events = 0, []
-    while rows < 30:
-        step = [e for e in engine.step() if e.request_id == "late"]
+    while rows < max_rows:
+        step = [e for e in engine.step() if e.request_id == rid]
         rows += sum(len(e.new_rows) for e in step)
         events += step
+    return events
+
+
+def test_a_request_ends_when_its_last_chunk_is_read(engine):
+    """Its blocks are freed with the last row; the finishing event (with the last chunk)
+    comes when the codec's work is read back, one step later, and nothing follows it."""
+    events = _until_last_row(engine, "late", "busy", 30, seed=4)
     assert not any(e.finished for e in events)  # the last row is out, its chunk is not
     assert engine.stats.num_running == 1  # but the request no longer holds a slot
     tail = _collect(engine, "late")
@@ -74,11 +81,7 @@ def test_a_request_ends_when_its_last_chunk_is_read(engine):
 
 
 def test_abort_while_the_last_chunk_decodes_reports_nothing_more(engine):
-    engine.add_request("busy2", "Keeps going.", params=SamplingParams(seed=5, max_rows=45))
-    engine.add_request("held", "Held back.", params=SamplingParams(seed=2, max_rows=30))
-    rows = 0
-    while rows < 30:
-        rows += sum(len(e.new_rows) for e in engine.step() if e.request_id == "held")
+    _until_last_row(engine, "held", "busy2", 30, seed=2)
     assert engine.abort("held")  # finished inside, its last event not yet reported
     assert not engine.abort("held")
     assert _collect(engine, "held") == []
@@ -86,11 +89,7 @@ def test_abort_while_the_last_chunk_decodes_reports_nothing_more(engine):
 
 
 def test_a_held_request_keeps_its_id_until_its_finish_is_reported(engine):
-    engine.add_request("busy3", "Keeps going.", params=SamplingParams(seed=5, max_rows=45))
-    engine.add_request("same", "First use.", params=SamplingParams(seed=2, max_rows=30))
-    rows = 0
-    while rows < 30:
-        rows += sum(len(e.new_rows) for e in engine.step() if e.request_id == "same")
+    _until_last_row(engine, "same", "busy3", 30, seed=2)
     assert len(engine.rows("same")) == 30  # finished inside, not yet reported
     with pytest.raises(ConfigError, match="already in use"):
         engine.add_request("same", "Second use.", params=SamplingParams(seed=9, max_rows=20))
@@ -124,7 +123,7 @@ def test_a_codec_batch_that_cannot_be_read_back_ends_only_its_requests(engine, m
                 assert e.request_id not in finishes
                 finishes[e.request_id] = (e.finish_reason, len(e.rows))
     assert finishes["x"][0] == "error" and finishes["y"] == ("length", 40)
-    assert engine.stats.num_running == 0 and not engine._held and not engine._audio_in_flight
+    assert engine.stats.num_running == 0 and not engine.audio.held and not engine.audio.in_flight
 
 
 def test_generate_returns_the_concatenated_stream(engine):

@@ -1,0 +1,151 @@
+"""From generated rows to audio events: each request's streaming state, the codec batches in
+flight, and the finishes held back for their last chunk.
+
+A step's rows complete chunk windows (engine/streaming.py); `submit` hands them to the codec
+as one batch per shape, which runs on its own CUDA stream and is read back by `collect` on a
+later step. A request that ends while its last chunk is decoding is finished at once by the
+engine (blocks and slot freed) and `hold`-ed here: its finishing event goes out with that
+chunk, and its id stays taken until then. Also home of the event types the engine returns.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engine.codec.chunk_decoder import ChunkDecoder, DecodedChunk, PendingChunks
+from engine.config import StreamConfig
+from engine.prompt import AudioRow
+from engine.request import FinishReason, Request
+from engine.streaming import AudioStream, ChunkWindow
+
+log = logging.getLogger("clonecast.engine")
+
+
+@dataclass(frozen=True)
+class AudioChunk:
+    """A piece of a request's audio: PCM16 little-endian, 24 kHz mono, frames `[start, end)`
+    (40 ms each). The last chunk of a request has `is_last` (it may be empty). Times are
+    `time.monotonic()` seconds: request arrival, its first generated row, this chunk ready."""
+
+    request_id: str
+    index: int
+    pcm: bytes
+    start_frame: int
+    end_frame: int
+    is_last: bool
+    arrival_time: float
+    first_row_time: float | None
+    ready_time: float
+    error: str | None = None
+
+    @property
+    def duration_s(self) -> float:
+        return len(self.pcm) / 2 / 24000
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step produced for one request: its new delayed audio rows, the audio chunk
+    that became ready (if any), and on the last event the finish reason and every row.
+    (Not frozen: one is made per running request per step, and frozen dataclasses are
+    several times slower to build; treat it as read-only.)"""
+
+    request_id: str
+    new_rows: list[AudioRow]
+    finished: bool = False
+    finish_reason: str | None = None
+    rows: list[AudioRow] | None = None  # all rows, on the finishing event only
+    audio: AudioChunk | None = None
+
+
+class AudioOutput:
+    def __init__(self, chunks: ChunkDecoder | None, config: StreamConfig):
+        self.chunks = chunks  # None: the engine has no codec (codes-only requests)
+        self.config = config
+        self.streams: dict[str, AudioStream] = {}
+        # submitted batches not read back yet, oldest first, with each window's request
+        self.in_flight: list[tuple[PendingChunks, list[Request]]] = []
+        self.held: dict[str, Request] = {}
+
+    def open(self, request_id: str) -> None:
+        self.streams[request_id] = AudioStream(request_id, self.config)
+
+    def close(self, request_id: str) -> None:
+        self.streams.pop(request_id, None)
+
+    def hold(self, request: Request) -> None:
+        """A finished request whose last chunk is decoding: reported when it is read."""
+        self.held[request.request_id] = request
+
+    def release(self, request_id: str) -> bool:
+        """Forgets a held request (aborted): nothing more is reported for it."""
+        return self.held.pop(request_id, None) is not None
+
+    def submit(self, updates) -> set[str]:
+        """Submits the windows that `updates` (request, row, finish reason) made ready, one
+        codec batch per shape; returns the ids of their requests."""
+        windows: list[ChunkWindow] = []
+        owners: list[Request] = []
+        for request, _, reason in updates:
+            stream = self.streams.get(request.request_id)
+            if stream is not None:
+                window = stream.next_window(request.output_rows, finished=reason is not None)
+                if window is not None:
+                    windows.append(window)
+                    owners.append(request)
+        if not windows:
+            return set()
+        self.in_flight.append((self.chunks.submit(windows), owners))
+        return {r.request_id for r in owners}
+
+    def collect(self, finish: Callable[[Request, FinishReason], None]) -> list[RequestOutput]:
+        """Reads every submitted batch (waiting for any still running) and turns its chunks
+        into events. A codec failure, or a batch that cannot be read back, ends its requests
+        alone with an error (through `finish` when they are still running)."""
+        outputs = []
+        batches, self.in_flight = self.in_flight, []
+        for pending, owners in batches:
+            try:
+                decoded_chunks = pending.result()
+            except Exception as exc:
+                log.exception("reading a codec batch back failed")
+                error = f"codec read-back failed: {type(exc).__name__}: {exc}"
+                decoded_chunks = [DecodedChunk(w, b"", error) for w in pending.windows]
+            now = time.monotonic()
+            for decoded, request in zip(decoded_chunks, owners, strict=True):
+                event = self._event(decoded, request, now, finish)
+                if event is not None:
+                    outputs.append(event)
+        return outputs
+
+    def _event(self, decoded: DecodedChunk, request: Request, now: float, finish):
+        w = decoded.window
+        held = self.held.get(request.request_id) is request
+        if request.is_finished and not held:
+            return None  # aborted, or already ended by an earlier chunk's error
+        chunk = AudioChunk(
+            w.request_id,
+            w.index,
+            decoded.pcm,
+            w.start,
+            w.end,
+            w.is_last or bool(decoded.error),
+            request.arrival_time,
+            request.first_row_time,
+            now,
+            decoded.error,
+        )
+        reason = None
+        if decoded.error:
+            reason = FinishReason.ERROR
+        elif w.is_last and held:
+            reason = request.finish_reason
+        if reason is None:
+            return RequestOutput(request.request_id, [], audio=chunk)
+        self.held.pop(request.request_id, None)
+        if not request.is_finished:
+            finish(request, reason)
+        return RequestOutput(request.request_id, [], True, reason.value, request.output_rows, chunk)
