@@ -30,9 +30,9 @@ class DecodedChunk:
 
 
 class PendingChunks:
-    """Windows submitted for decoding. `ready()` says without waiting whether every batch has
-    finished on the device; `result()` waits for them (the copies to pinned host memory) and
-    returns the decoded chunks in submission order."""
+    """Windows submitted for decoding: some already decoded (empty, or decoded one by one
+    after a failure), the rest in launched batches. `result()` waits for the batches (the
+    copies to pinned host memory) and returns the decoded chunks in submission order."""
 
     def __init__(self, windows: list[ChunkWindow], hop: int):
         self.windows = windows
@@ -40,8 +40,13 @@ class PendingChunks:
         self._done: dict[int, DecodedChunk] = {}
         self._launched: list[tuple[list[int], torch.Tensor, torch.Tensor, object]] = []
 
-    def ready(self) -> bool:
-        return all(event is None or event.query() for *_, event in self._launched)
+    def set_done(self, index: int, chunk: DecodedChunk) -> None:
+        self._done[index] = chunk
+
+    def add_batch(self, members: list[int], pcm, finite, event) -> None:
+        """Windows `members` decode into PCM16 rows `pcm` with finite flags `finite`, both
+        valid once `event` has completed (None: valid now)."""
+        self._launched.append((members, pcm, finite, event))
 
     def result(self) -> list[DecodedChunk]:
         for members, pcm, finite, event in self._launched:
@@ -84,7 +89,7 @@ class ChunkDecoder:
         groups: dict[int, list[int]] = defaultdict(list)
         for i, w in enumerate(windows):
             if w.num_frames == 0:
-                pending._done[i] = DecodedChunk(w, b"")
+                pending.set_done(i, DecodedChunk(w, b""))
             else:
                 groups[w.window_frames].append(i)
         limit = self.graphs.max_batch if self.graphs is not None else len(windows)
@@ -93,10 +98,10 @@ class ChunkDecoder:
                 members = group[start : start + limit]
                 try:
                     pcm, finite, event = self._launch_batch([windows[i] for i in members])
-                    pending._launched.append((members, pcm, finite, event))
+                    pending.add_batch(members, pcm, finite, event)
                 except Exception:
                     for i in members:
-                        pending._done[i] = self._decode_one(windows[i])
+                        pending.set_done(i, self._decode_one(windows[i]))
         return pending
 
     def _decode_one(self, window: ChunkWindow) -> DecodedChunk:
