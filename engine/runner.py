@@ -317,14 +317,11 @@ class ModelRunner:
         bs = self.config.block_size
         chunks = sched.chunks
         num = len(chunks)
-        lists, lens = self._table_lists, self._table_lens
         fields = []
         for chunk in chunks:
             req = chunk.request
-            slot = req.slot
-            if lists[slot] is not req.block_ids or lens[slot] != len(req.block_ids):
-                self._sync_block_table(req)
-            fields.append((chunk.start, chunk.num_tokens, slot, chunk.samples, req.prompt_len))
+            self._sync_block_table(req)
+            fields.append((chunk.start, chunk.num_tokens, req.slot, chunk.samples, req.prompt_len))
         cols = np.array(fields, np.int64).reshape(num, 5).T
         starts, ns, slots, prompt_lens = cols[0], cols[1], cols[2], cols[4]
         samples = cols[3].astype(bool)
@@ -368,13 +365,17 @@ class ModelRunner:
         """Keeps the slot's block-table row equal to the request's block list: rewritten when
         the list is a new one (admission, recompute), extended when blocks were appended."""
         slot, blocks = req.slot, req.block_ids
-        row = self._tables[slot]
         if self._table_lists[slot] is not blocks:
+            row = self._tables[slot]
             row[: len(blocks)] = blocks
             row[len(blocks) :] = NULL_BLOCK
             self._table_lists[slot] = blocks
         elif self._table_lens[slot] != len(blocks):
-            row[self._table_lens[slot] : len(blocks)] = blocks[self._table_lens[slot] :]
+            self._tables[slot, self._table_lens[slot] : len(blocks)] = blocks[
+                self._table_lens[slot] :
+            ]
+        else:
+            return  # unchanged since the last step: the common case for a decode row
         self._table_lens[slot] = len(blocks)
 
     def _fill_inputs(self, req: Request, start: int, end: int, ids_out, rows_out) -> None:
