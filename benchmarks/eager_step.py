@@ -41,13 +41,17 @@ def _add_batch(engine: Engine, prefix: str, batch: int, context: int, max_rows: 
         )
 
 
-def time_batch(engine: Engine, batch: int, context: int, steps: int, sync=torch.cuda.synchronize):
-    """(ms per step, rows per step) over `steps` decode steps of `batch` requests. Every
-    request's row cap outlasts the prefill of all of them plus the timed steps: with a cap
-    shorter than the prefill, the first requests finish before the last start decoding and
-    the batch shrinks inside the timed window."""
+def row_cap(engine: Engine, batch: int, context: int, steps: int) -> int:
+    """A row cap that outlasts the prefill of the whole batch plus `steps` timed steps: with a
+    shorter cap the first requests finish before the last start decoding and the batch
+    shrinks inside the timed window."""
     prefill_steps = -(-batch * (context + 10) // engine.config.max_num_batched_tokens)
-    _add_batch(engine, f"b{batch}", batch, context, prefill_steps + steps + 40, seed=batch)
+    return prefill_steps + steps + 40
+
+
+def fill_decoding(engine: Engine, prefix: str, batch: int, context: int, steps: int) -> None:
+    """Adds `batch` requests and steps until every one of them is decoding."""
+    _add_batch(engine, prefix, batch, context, row_cap(engine, batch, context, steps), seed=batch)
     while (
         any(r.num_computed < len(r.prompt) for r in engine.scheduler.running)
         or engine.scheduler.waiting
@@ -55,6 +59,11 @@ def time_batch(engine: Engine, batch: int, context: int, steps: int, sync=torch.
         engine.step()
     for _ in range(5):
         engine.step()
+
+
+def time_batch(engine: Engine, batch: int, context: int, steps: int, sync=torch.cuda.synchronize):
+    """(ms per step, rows per step) over `steps` decode steps of `batch` requests."""
+    fill_decoding(engine, f"b{batch}", batch, context, steps)
     sync()
     rows = 0
     t0 = time.perf_counter()
@@ -119,7 +128,9 @@ def main() -> None:
             dtype="bfloat16",
             max_num_seqs=max(64, *batches),
             max_num_batched_tokens=max(512, *batches),
-            num_kv_blocks=max(batches) * (args.context + args.steps + 60) // 16 + 64,
+            # every request of the largest batch holds its context plus its row cap
+            num_kv_blocks=max(batches) * (args.context + 2 * max(batches) + args.steps + 80) // 16
+            + 64,
             codec_graph_max_batch=0,  # codes only: no codec graphs to capture
             enable_prefix_caching=False,
             **extra,
@@ -156,10 +167,7 @@ def profile_step(engine: Engine, batch: int, context: int, path: str) -> None:
     """Kernel and host time of 10 decode steps at `batch`, written to `path`."""
     from torch.profiler import ProfilerActivity, profile
 
-    time_and_replay(engine, batch, context, 2)  # leaves nothing running; a fresh batch next
-    _add_batch(engine, "p", batch, context, 60, seed=0)
-    for _ in range(20):
-        engine.step()
+    fill_decoding(engine, "p", batch, context, 10)  # decode steps only in the profile
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(10):
             engine.step()

@@ -1,7 +1,10 @@
 """The Higgs v3 layer GEMMs at decode batch sizes: cuBLAS (F.linear) called eagerly and
-replayed from a CUDA graph (as the engine runs it). Prints achieved weight bandwidth. One
-call, one table. (A Triton tensor-core skinny GEMM with split-K and a Triton GEMV for 1-4
-rows were measured against these in graphs and were not faster; see docs/PERFORMANCE.md.)
+replayed from a CUDA graph (as the engine runs it), and in graphs two other ways of asking
+for the same product: the weight stored transposed (`x @ W^T` as an NN GEMM, other kernels)
+and cuBLASLt instead of cuBLAS (`torch.backends.cuda.preferred_blas_library`). Prints
+achieved weight bandwidth. One call, one table. (A Triton tensor-core skinny GEMM with
+split-K and a Triton GEMV for 1-4 rows were measured against these in graphs and were not
+faster; see docs/PERFORMANCE.md.)
 
     python benchmarks/gemm_shapes.py [--batches 1,32,64,128]
 """
@@ -49,16 +52,24 @@ def main() -> None:
     rows = []
     for name, (n, k) in SHAPES.items():
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(COPIES)]
+        wts = [w.t().contiguous() for w in ws]  # [K, N]: the same product as an NN GEMM
         for m in (int(b) for b in args.batches.split(",")):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             eager = bench(lambda x=x, ws=ws: [F.linear(x, w) for w in ws])
             cublas = bench(graphed(lambda x=x, ws=ws: [F.linear(x, w) for w in ws]))
-            gbytes = n * k * 2 / 1e9
-            rows.append((name, m, eager, cublas, gbytes / eager, gbytes / cublas))
-    head = ("gemm", "M", "eager us", "graph us", "eager TB/s", "graph TB/s")
-    print("\n{:<11}{:>5}{:>10}{:>10}{:>12}{:>12}".format(*head))
-    for name, m, eag, cub, bw1, bw2 in rows:
-        print(f"{name:<11}{m:>5}{eag * 1e3:>10.1f}{cub * 1e3:>10.1f}{bw1:>12.2f}{bw2:>12.2f}")
+            nn = bench(graphed(lambda x=x, wts=wts: [x @ wt for wt in wts]))
+            torch.backends.cuda.preferred_blas_library("cublaslt")
+            lt = bench(graphed(lambda x=x, ws=ws: [F.linear(x, w) for w in ws]))
+            torch.backends.cuda.preferred_blas_library("cublas")
+            rows.append((name, m, n * k * 2 / 1e9, eager, cublas, nn, lt))
+        del ws, wts
+    head = ("gemm", "M", "eager us", "graph us", "TB/s", "NN us", "TB/s", "Lt us", "TB/s")
+    print("\n{:<11}{:>5}{:>10}{:>10}{:>6}{:>8}{:>6}{:>8}{:>6}".format(*head))
+    for name, m, gb, eag, cub, nn, lt in rows:
+        print(
+            f"{name:<11}{m:>5}{eag * 1e3:>10.1f}{cub * 1e3:>10.1f}{gb / cub:>6.2f}"
+            f"{nn * 1e3:>8.1f}{gb / nn:>6.2f}{lt * 1e3:>8.1f}{gb / lt:>6.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -61,7 +61,9 @@ def current_metadata() -> AttentionMetadata:
 
 
 class AttentionBackend(Protocol):
-    """Writes this step's K/V into the cache, then attends each query over its sequence."""
+    """`forward` writes this step's K/V into the cache, then attends each query over its
+    sequence; `attend` is the second half alone, for a model that has already written K/V
+    (the fused q/k-norm+RoPE kernel stores them itself)."""
 
     name: str
 
@@ -73,6 +75,10 @@ class AttentionBackend(Protocol):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
         meta: AttentionMetadata,
         scale: float,
+    ) -> torch.Tensor: ...  # [T, Hq, D]
+
+    def attend(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor: ...  # [T, Hq, D]
 
 
@@ -91,6 +97,9 @@ class TorchAttention:
 
     def forward(self, q, k, v, kv_cache, meta, scale):
         store_kv(k, v, kv_cache, meta.slot_mapping[: meta.num_tokens])
+        return self.attend(q, kv_cache, meta, scale)
+
+    def attend(self, q, kv_cache, meta, scale):
         b, t = meta.num_seqs, meta.num_tokens
         hq, d = q.shape[1], q.shape[2]
         block_size, hkv = kv_cache.shape[2], kv_cache.shape[3]
@@ -128,9 +137,13 @@ class TritonAttention:
 
     def forward(self, q, k, v, kv_cache, meta, scale):
         from kernels.kv_store import store_kv_fused
-        from kernels.paged_attention import decode_splits, paged_attention, paged_decode_attention
 
         store_kv_fused(k, v, kv_cache, meta.slot_mapping[: meta.num_tokens])
+        return self.attend(q, kv_cache, meta, scale)
+
+    def attend(self, q, kv_cache, meta, scale):
+        from kernels.paged_attention import decode_splits, paged_attention, paged_decode_attention
+
         if meta.max_query_len == 1:  # decode only: split the context when sequences are few
             splits = decode_splits(meta.num_seqs, kv_cache.shape[3])
             if splits > 1:
@@ -168,9 +181,12 @@ class VarlenAttention:
     name = "varlen"
 
     def forward(self, q, k, v, kv_cache, meta, scale):
+        store_kv(k, v, kv_cache, meta.slot_mapping[: meta.num_tokens])
+        return self.attend(q, kv_cache, meta, scale)
+
+    def attend(self, q, kv_cache, meta, scale):
         from torch.nn.attention.varlen import varlen_attn
 
-        store_kv(k, v, kv_cache, meta.slot_mapping[: meta.num_tokens])
         b, t = meta.num_seqs, meta.num_tokens
         _, num_blocks, block_size, hkv, d = kv_cache.shape
         width = meta.max_seq_len

@@ -70,6 +70,8 @@ class TorchOps:
         k = rope(attn.k_norm(k.reshape(t, attn.num_kv_heads, attn.head_dim)), positions)
         return q, k
 
+    qk_norm_rope_store = None  # no fused K/V store: the backend's forward writes them
+
     @staticmethod
     def silu_mul(gate_up):
         gate, up = gate_up.chunk(2, dim=-1)
@@ -102,6 +104,25 @@ class TritonOps:
         )
 
     @staticmethod
+    def qk_norm_rope_store(attn, qkv, positions, rope, kv_cache, slots):
+        """q only; k and v written into `kv_cache` at `slots` by the same kernel."""
+        from kernels.norm_rope import qk_norm_rope_store
+
+        return qk_norm_rope_store(
+            qkv,
+            attn.q_norm.weight,
+            attn.k_norm.weight,
+            rope.cos,
+            rope.sin,
+            positions,
+            attn.num_heads,
+            attn.num_kv_heads,
+            attn.q_norm.eps,
+            kv_cache,
+            slots,
+        )
+
+    @staticmethod
     def silu_mul(gate_up):
         from kernels.norm_rope import silu_mul
 
@@ -128,9 +149,15 @@ class Attention(nn.Module):
     def forward(self, x, positions, kv_cache, rope: RotaryEmbedding, ops):
         t = x.shape[0]
         qkv = self.qkv_proj(x)
-        q, k = ops.qk_norm_rope(self, qkv, positions, rope)
-        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
-        out = self.backend.forward(q, k, v, kv_cache, current_metadata(), self.scale)
+        meta = current_metadata()
+        if ops.qk_norm_rope_store is not None:  # one kernel: norms, RoPE and the K/V store
+            slots = meta.slot_mapping[: meta.num_tokens]
+            q = ops.qk_norm_rope_store(self, qkv, positions, rope, kv_cache, slots)
+            out = self.backend.attend(q, kv_cache, meta, self.scale)
+        else:
+            q, k = ops.qk_norm_rope(self, qkv, positions, rope)
+            v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
+            out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(t, self.q_size))
 
 

@@ -76,19 +76,27 @@ def _qk_norm_rope_kernel(
     pos_ptr,
     q_ptr,
     k_ptr,
+    cache_ptr,
+    slot_ptr,
+    plane,  # elements of one of the two cache planes (K or V)
+    skip_below,  # slots below this belong to the reserved padding block
     eps,
     HQ: tl.constexpr,
     HKV: tl.constexpr,
     D: tl.constexpr,
     HEADS: tl.constexpr,
+    STORE: tl.constexpr,
 ):
-    # One program per token: every q and k head as the rows of one [HEADS, D/2] tile pair.
+    # One program per token: every q and k head (and with STORE the v heads) as the rows of
+    # one [HEADS, D/2] tile pair. With STORE, k and v go straight into the KV cache at the
+    # token's slot (padding slots skipped) and k is not written out.
     token = tl.program_id(0).to(tl.int64)
     head = tl.arange(0, HEADS)
     half = tl.arange(0, D // 2)
     is_q = head < HQ
     is_k = (head >= HQ) & (head < HQ + HKV)
-    ok = (is_q | is_k)[:, None]
+    is_v = (head >= HQ + HKV) & (head < HQ + 2 * HKV)
+    ok = (is_q | is_k | is_v)[:, None] if STORE else (is_q | is_k)[:, None]
     row = qkv_ptr + token * (HQ + 2 * HKV) * D + head[:, None] * D
     x1 = tl.load(row + half[None, :], mask=ok, other=0.0).to(tl.float32)
     x2 = tl.load(row + D // 2 + half[None, :], mask=ok, other=0.0).to(tl.float32)
@@ -114,18 +122,35 @@ def _qk_norm_rope_kernel(
     q_row = q_ptr + token * HQ * D + head[:, None] * D
     tl.store(q_row + half[None, :], o1, mask=is_q[:, None])
     tl.store(q_row + D // 2 + half[None, :], o2, mask=is_q[:, None])
-    k_row = k_ptr + token * HKV * D + (head[:, None] - HQ) * D
-    tl.store(k_row + half[None, :], o1, mask=is_k[:, None])
-    tl.store(k_row + D // 2 + half[None, :], o2, mask=is_k[:, None])
+    if STORE:
+        slot = tl.load(slot_ptr + token)
+        keep = slot >= skip_below
+        cdtype = cache_ptr.dtype.element_ty
+        k_row = cache_ptr + slot.to(tl.int64) * (HKV * D) + (head[:, None] - HQ) * D
+        tl.store(k_row + half[None, :], o1.to(cdtype), mask=is_k[:, None] & keep)
+        tl.store(k_row + D // 2 + half[None, :], o2.to(cdtype), mask=is_k[:, None] & keep)
+        v_row = k_row + plane - HKV * D  # head - HQ - HKV is the v head
+        tl.store(v_row + half[None, :], x1.to(cdtype), mask=is_v[:, None] & keep)
+        tl.store(v_row + D // 2 + half[None, :], x2.to(cdtype), mask=is_v[:, None] & keep)
+    else:
+        k_row = k_ptr + token * HKV * D + (head[:, None] - HQ) * D
+        tl.store(k_row + half[None, :], o1, mask=is_k[:, None])
+        tl.store(k_row + D // 2 + half[None, :], o2, mask=is_k[:, None])
 
 
-def qk_norm_rope(qkv, q_weight, k_weight, cos, sin, positions, num_heads, num_kv_heads, eps):
-    """From fused qkv `[T, (Hq + 2 Hkv) * D]`: normalised, rotated q `[T, Hq, D]` and
-    k `[T, Hkv, D]`. cos/sin `[P, D/2]` fp32 tables."""
+def _launch_qk_norm_rope(
+    qkv, q_weight, k_weight, cos, sin, positions, hq, hkv, eps, k, cache, slots
+):
     t = qkv.shape[0]
     d = q_weight.shape[0]
-    q = torch.empty(t, num_heads, d, dtype=qkv.dtype, device=qkv.device)
-    k = torch.empty(t, num_kv_heads, d, dtype=qkv.dtype, device=qkv.device)
+    q = torch.empty(t, hq, d, dtype=qkv.dtype, device=qkv.device)
+    store = cache is not None
+    if store:
+        assert cache.is_contiguous() and cache.shape[3:] == (hkv, d)
+        _, num_blocks, block_size, _, _ = cache.shape
+        plane, skip_below = num_blocks * block_size * hkv * d, block_size
+    else:
+        plane, skip_below = 0, 0
     _qk_norm_rope_kernel[(t,)](
         qkv,
         q_weight,
@@ -134,14 +159,52 @@ def qk_norm_rope(qkv, q_weight, k_weight, cos, sin, positions, num_heads, num_kv
         sin,
         positions,
         q,
-        k,
+        q if k is None else k,
+        cache if store else q,
+        slots if store else positions,
+        plane,
+        skip_below,
         eps,
-        HQ=num_heads,
-        HKV=num_kv_heads,
+        HQ=hq,
+        HKV=hkv,
         D=d,
-        HEADS=triton.next_power_of_2(num_heads + num_kv_heads),
+        HEADS=triton.next_power_of_2(hq + (2 if store else 1) * hkv),
+        STORE=store,
+    )
+    return q
+
+
+def qk_norm_rope(qkv, q_weight, k_weight, cos, sin, positions, num_heads, num_kv_heads, eps):
+    """From fused qkv `[T, (Hq + 2 Hkv) * D]`: normalised, rotated q `[T, Hq, D]` and
+    k `[T, Hkv, D]`. cos/sin `[P, D/2]` fp32 tables."""
+    t, d = qkv.shape[0], q_weight.shape[0]
+    k = torch.empty(t, num_kv_heads, d, dtype=qkv.dtype, device=qkv.device)
+    q = _launch_qk_norm_rope(
+        qkv, q_weight, k_weight, cos, sin, positions, num_heads, num_kv_heads, eps, k, None, None
     )
     return q, k
+
+
+def qk_norm_rope_store(
+    qkv, q_weight, k_weight, cos, sin, positions, num_heads, num_kv_heads, eps, kv_cache, slots
+):
+    """`qk_norm_rope` that also writes k and v into `kv_cache` `[2, blocks, page, Hkv, D]` at
+    `slots` `[T]` (rows whose slot lies in the reserved block 0 are padding: not written),
+    in the same launch; returns q only. Equals `qk_norm_rope` followed by the KV store."""
+    return _launch_qk_norm_rope(
+        qkv,
+        q_weight,
+        k_weight,
+        cos,
+        sin,
+        positions,
+        num_heads,
+        num_kv_heads,
+        eps,
+        None,
+        kv_cache,
+        slots,
+    )
 
 
 @triton.jit

@@ -6,11 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.attention import store_kv
 from engine.model import RotaryEmbedding, TorchOps
 from kernels.norm_rope import (
     add_rms_norm,
     add_rms_norm_reference,
     qk_norm_rope,
+    qk_norm_rope_store,
     silu_mul,
     silu_mul_reference,
 )
@@ -65,6 +67,36 @@ def test_qk_norm_rope(dtype, hq, hkv, d, t):
     )
     rq, rk = TorchOps.qk_norm_rope(attn, qkv, positions, rope)
     assert _close(q, rq, dtype) and _close(k, rk, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "hq, hkv, d, t, blocks, page, padding",
+    [(4, 2, 16, 5, 4, 4, 1), (8, 2, 32, 9, 6, 4, 0)]
+    + ([(32, 8, 128, 77, 40, 16, 13)] if DEVICE == "cuda" else []),
+)
+def test_qk_norm_rope_store(dtype, hq, hkv, d, t, blocks, page, padding):
+    """The fused launch writes the cache exactly as q/k-norm+RoPE followed by the KV store,
+    skips padding rows (slots in block 0) and returns the same q."""
+    g = torch.Generator().manual_seed(t * 31 + d)
+    attn = _Attn(hq, hkv, d, dtype)
+    rope = RotaryEmbedding(d, 1e6, 4096).to(DEVICE)
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g).to(DEVICE, dtype)
+    positions = torch.randint(0, 4096, (t,), generator=g).to(DEVICE)
+    slots = torch.randperm((blocks - 1) * page, generator=g)[:t] + page
+    slots[t - padding :] = torch.arange(padding) % page  # padding rows point into block 0
+    slots = slots.to(DEVICE)
+    cache = torch.randn(2, blocks, page, hkv, d, generator=g).to(DEVICE, dtype)
+    args = (attn.q_norm.weight, attn.k_norm.weight, rope.cos, rope.sin, positions, hq, hkv, 1e-6)
+    ref_q, ref_k = qk_norm_rope(qkv, *args)
+    ref = cache.clone()
+    store_kv(ref_k, qkv[:, (hq + hkv) * d :].view(t, hkv, d), ref, slots)
+    ours = cache.clone()
+    q = qk_norm_rope_store(qkv, *args, ours, slots)
+    assert torch.equal(q, ref_q)
+    assert torch.equal(ours[:, 1:], ref[:, 1:])
+    assert torch.equal(ours[:, 0], cache[:, 0])  # padding rows wrote nothing
+    assert not torch.equal(ours[:, 1:], cache[:, 1:])  # it really wrote
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
