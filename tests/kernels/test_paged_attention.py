@@ -40,16 +40,18 @@ CPU_CASES = [
     ([7, 1, 20, 0], [0, 9, 3, 0]),  # mixed, one padding sequence
     ([33], [10]),  # a prefill spanning several query blocks
     ([1] * 6, [40, 1, 2, 3, 4, 63]),
+    ([4, 8, 9, 1, 16], [3, 0, 5, 30, 2]),  # query counts at and just past a small tile
 ]
 
 
+@pytest.mark.parametrize("split_short", [True, False])  # mixed batches: two launches or one
 @pytest.mark.parametrize("q_lens, ctx_lens", CPU_CASES)
 @pytest.mark.parametrize("hq, hkv, d, page", [(4, 2, 16, 4), (8, 2, 32, 16)])
-def test_kernel_matches_reference_small(q_lens, ctx_lens, hq, hkv, d, page):
+def test_kernel_matches_reference_small(q_lens, ctx_lens, hq, hkv, d, page, split_short):
     device = "cuda" if GPU else "cpu"
     q, k, v, meta = make_batch(q_lens, ctx_lens, hq, hkv, d, page, torch.float32, device)
     out = torch.full_like(q, float("nan"))  # poisoned: every valid row must be written
-    paged_attention(q, k, v, *meta, d**-0.5, max(q_lens), out=out)
+    paged_attention(q, k, v, *meta, d**-0.5, max(q_lens), out=out, split_short=split_short)
     ref = paged_attention_reference(q, k, v, *meta, d**-0.5)
     assert torch.isfinite(out).all()
     assert rel_err(out, ref) <= (3e-3 if GPU else 1e-5)  # tf32 dots on a GPU
@@ -78,10 +80,11 @@ def test_a_too_small_launch_bound_leaves_long_queries_uncomputed():
         ([128, 64, 1], [0, 700, 5]),
     ],
 )
-def test_kernel_matches_reference_higgs_shape_bf16(q_lens, ctx_lens):
+@pytest.mark.parametrize("bound", [0, 256])  # 0: max(q_lens); 256: a captured bucket's bound
+def test_kernel_matches_reference_higgs_shape_bf16(q_lens, ctx_lens, bound):
     q, k, v, meta = make_batch(q_lens, ctx_lens, 32, 8, 128, 16, torch.bfloat16, "cuda")
     out = torch.full_like(q, float("nan"))
-    paged_attention(q, k, v, *meta, 128**-0.5, max(q_lens), out=out)
+    paged_attention(q, k, v, *meta, 128**-0.5, bound or max(q_lens), out=out)
     ref = paged_attention_reference(q, k, v, *meta, 128**-0.5)
     assert torch.isfinite(out).all()
     assert rel_err(out, ref) <= 1e-2
