@@ -9,19 +9,15 @@ from __future__ import annotations
 
 import argparse
 import random
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from engine import Engine, EngineConfig, SamplingParams, VoiceReference
-
-WEIGHT_BYTES = 7.31e9  # read by one audio decode step (performance.md)
-KV_BYTES_PER_TOKEN = 147_456
-BANDWIDTH = 4.13e12  # measured device-to-device copy on an H200 (performance.md)
-
-
-def floor_ms(batch: int, context: int) -> float:
-    return (WEIGHT_BYTES + batch * context * KV_BYTES_PER_TOKEN) / BANDWIDTH * 1e3
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.floor import floor_ms  # noqa: E402
+from engine import Engine, EngineConfig, SamplingParams, VoiceReference  # noqa: E402
 
 
 def _add_batch(engine: Engine, prefix: str, batch: int, context: int, max_rows: int, seed: int):

@@ -24,7 +24,7 @@ python3 -c "import sys, torch, transformers, triton; print(sys.version.split()[0
 python3 -c "from pathlib import Path; from engine.checkpoint_writer import write_full_size_checkpoint as w; w(Path('$CKPT'))"
 export CLONECAST_FULL_CKPT=$CKPT
 if [ "${ATTN:-0}" = 1 ]; then
-  timeout 240 python3 benchmarks/attention_shapes.py 2>&1 | tee "$OUT/attention.log" | tail -12
+  timeout 240 python3 benchmarks/attention_shapes.py ${ATTN_ARGS:-} 2>&1 | tee "$OUT/attention.log" | tail -12
 fi
 if [ "${GEMM:-0}" = 1 ]; then
   timeout 200 python3 benchmarks/gemm_shapes.py --batches ${GEMM_B:-1,64,128} 2>&1 | tee "$OUT/gemm.log" | grep -v "^(" | tail -17
@@ -41,7 +41,7 @@ if [ "${SERVE:-0}" = 1 ]; then
   timeout 300 python3 benchmarks/serve_bench.py --model $CKPT --concurrency ${SERVE_C:-1,64} --requests ${SERVE_N:-0} --warmup -1 --starts 1 --out "$OUT/serve" 2>&1 | tail -6
 fi
 if [ "${PROTOCOL:-0}" = 1 ]; then
-  timeout 560 python3 benchmarks/serve_bench.py --model $CKPT --concurrency 1,32,64,128,256 --requests 256 --warmup 64 --c1-requests 24 --starts 3 --fresh-server --max-num-seqs 256 --out "$OUT/protocol" 2>&1 | tail -22
+  timeout 560 python3 benchmarks/serve_bench.py --model $CKPT --concurrency 1,32,64,128,256 --requests 256 --warmup 64 --c1-requests 24 --starts 3 --fresh-server --max-num-seqs 256 ${PROTOCOL_ARGS:-} --out "$OUT/protocol" 2>&1 | tail -34
 fi
 if [ "${HOST:-0}" = 1 ]; then
   for c in 64 128; do

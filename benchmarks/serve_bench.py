@@ -33,6 +33,9 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.floor import floor_ms  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 TEXTS = [
     "Thanks for calling, how can I help you today?",
@@ -459,6 +462,13 @@ def print_table(runs: dict) -> None:
                 )
                 print(ROW.format(*row))
 
+    if 64 in runs["default"]:
+        step = runs["default"][64][-1]["step_ms"]
+        print(
+            f"served step at C=64: {step:.2f} ms (decode and prefill mixed, codec on its own "
+            f"stream); decode-step floor at batch 64, 400-token context: {floor_ms(64, 400):.2f}"
+            f" ms (x{step / floor_ms(64, 400):.2f}); the clean decode step: eager_step.py"
+        )
     if "eager" in runs:
         for c, starts in runs["eager"].items():
             if c in runs["default"]:
