@@ -100,10 +100,6 @@ def main() -> None:
         default = triton.testing.do_bench(
             lambda a=args, m=max_q: paged_attention(*a, 128**-0.5, m), return_mode="median"
         )
-        one = triton.testing.do_bench(  # mixed batches in one launch (before the split)
-            lambda a=args, m=max_q: paged_attention(*a, 128**-0.5, m, split_short=False),
-            return_mode="median",
-        )
         # what the one-pass kernel launched before its knobs were passed through: one page
         # (16 keys) per tile, Triton's default 4 warps and 3 stages
         old = triton.testing.do_bench(
@@ -115,11 +111,11 @@ def main() -> None:
         floor_us = kv_bytes / 4.13e12 * 1e6
         best = results[0] if results else (float("nan"), "-")
         print(f"{name}: top 5 {results[:5]}")
-        rows.append((name, old * 1e3, one * 1e3, default * 1e3, *best, floor_us))
-    head = ("case", "BN=16 us", "1 launch", "default us", "best us", "best config", "floor us")
-    print("\n{:<19}{:>9}{:>9}{:>11}{:>9}  {:<34}{:>9}".format(*head))
-    for name, o, one, d, b, cfg, fl in rows:
-        print(f"{name:<19}{o:>9.1f}{one:>9.1f}{d:>11.1f}{b:>9.1f}  {cfg:<34}{fl:>9.1f}")
+        rows.append((name, old * 1e3, default * 1e3, *best, floor_us))
+    head = ("case", "BN=16 us", "default us", "best us", "best config", "floor us")
+    print("\n{:<19}{:>9}{:>11}{:>9}  {:<34}{:>9}".format(*head))
+    for name, o, d, b, cfg, fl in rows:
+        print(f"{name:<19}{o:>9.1f}{d:>11.1f}{b:>9.1f}  {cfg:<34}{fl:>9.1f}")
 
 
 if __name__ == "__main__":

@@ -57,11 +57,7 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     K_ROWS: tl.constexpr,
-    SHORT: tl.constexpr,
 ):
-    # SHORT > 0 picks sequences by query length: with SHORT == BLOCK_M this launch takes the
-    # sequences of at most SHORT queries (decode rows: one small tile each), otherwise those
-    # of more than SHORT (prefill chunks: tall tiles); 0 takes every sequence.
     seq = tl.program_id(0)
     mblock = tl.program_id(1)
     kv_head = tl.program_id(2)
@@ -69,9 +65,6 @@ def _paged_attention_kernel(
     q_len = tl.load(qsl_ptr + seq + 1) - q_start
     if mblock * BLOCK_M >= q_len:
         return
-    if SHORT > 0:
-        if (q_len <= SHORT) != (SHORT == BLOCK_M):
-            return
     seq_len = tl.load(seq_lens_ptr + seq)
     first_pos = seq_len - q_len
 
@@ -306,51 +299,19 @@ def paged_attention(
     num_warps: int = 4,
     num_stages: int = 3,
     k_rows: bool = True,
-    split_short: bool = True,
 ) -> torch.Tensor:
     """Attention of every query row over its sequence's paged K/V; returns `[T, Hq, D]`.
     block_n / num_warps / num_stages / k_rows are tuning knobs
-    (benchmarks/attention_shapes.py); block_n is rounded up to a whole page.
-
-    When `max_query_len` calls for tall query tiles and `split_short`, a mixed batch runs as
-    two launches: sequences with few queries (decode rows) in small tiles, the others in tall
-    ones; otherwise a decode row would take a whole tall tile. Both grids depend only on the
-    number of sequences and `max_query_len` (graph-safe)."""
+    (benchmarks/attention_shapes.py); block_n is rounded up to a whole page. A mixed batch is
+    one launch: decode rows take a tall tile too (splitting them into a second launch of
+    small tiles was slower on the H200; docs/PERFORMANCE.md)."""
     num_seqs = seq_lens.shape[0]
-    group = q.shape[1] // k_cache.shape[2]
+    _, hq, d = q.shape
+    page, hkv = k_cache.shape[1], k_cache.shape[2]
+    group = hq // hkv
     if out is None:
         out = torch.empty_like(q)
     block_m = query_block_size(max_query_len, group)
-    small = query_block_size(1, group)
-    args = (q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, scale, num_seqs)
-    knobs = (block_n, num_warps, num_stages, k_rows)
-    if split_short and block_m > small:
-        _launch(*args, 1, small, small, *knobs)
-        _launch(*args, max_query_len, block_m, small, *knobs)
-    else:
-        _launch(*args, max_query_len, block_m, 0, *knobs)
-    return out
-
-
-def _launch(
-    q,
-    k_cache,
-    v_cache,
-    out,
-    query_start_loc,
-    seq_lens,
-    block_tables,
-    scale,
-    num_seqs,
-    max_query_len,
-    block_m,
-    short,
-    block_n,
-    num_warps,
-    num_stages,
-    k_rows,
-):
-    page, hkv = k_cache.shape[1], k_cache.shape[2]
     grid = (num_seqs, triton.cdiv(max(max_query_len, 1), block_m), hkv)
     _paged_attention_kernel[grid](
         q,
@@ -369,16 +330,16 @@ def _launch(
         k_cache.stride(1),
         k_cache.stride(2),
         block_tables.stride(0),
-        G=q.shape[1] // hkv,
-        D=q.shape[2],
+        G=group,
+        D=d,
         PAGE=page,
         BLOCK_M=block_m,
         BLOCK_N=max(16, page, block_n),
         K_ROWS=k_rows,
-        SHORT=short,
         num_warps=num_warps,
         num_stages=num_stages,
     )
+    return out
 
 
 def paged_attention_reference(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale):

@@ -44,14 +44,13 @@ CPU_CASES = [
 ]
 
 
-@pytest.mark.parametrize("split_short", [True, False])  # mixed batches: two launches or one
 @pytest.mark.parametrize("q_lens, ctx_lens", CPU_CASES)
 @pytest.mark.parametrize("hq, hkv, d, page", [(4, 2, 16, 4), (8, 2, 32, 16)])
-def test_kernel_matches_reference_small(q_lens, ctx_lens, hq, hkv, d, page, split_short):
+def test_kernel_matches_reference_small(q_lens, ctx_lens, hq, hkv, d, page):
     device = "cuda" if GPU else "cpu"
     q, k, v, meta = make_batch(q_lens, ctx_lens, hq, hkv, d, page, torch.float32, device)
     out = torch.full_like(q, float("nan"))  # poisoned: every valid row must be written
-    paged_attention(q, k, v, *meta, d**-0.5, max(q_lens), out=out, split_short=split_short)
+    paged_attention(q, k, v, *meta, d**-0.5, max(q_lens), out=out)
     ref = paged_attention_reference(q, k, v, *meta, d**-0.5)
     assert torch.isfinite(out).all()
     assert rel_err(out, ref) <= (3e-3 if GPU else 1e-5)  # tf32 dots on a GPU
