@@ -10,6 +10,7 @@
 #   SERVE=1      a reduced served run (SERVE_C: concurrencies, SERVE_N: timed requests)
 #   PROTOCOL=1   the full served protocol of performance.md (C = 1..256, 3 fresh starts)
 #   HOST=1       host work per engine step at C = 64 and 128 (benchmarks/host_cost.py)
+#   GIL_MS="a b" one served start at C = 64 and 128 per GIL switch interval (ms) of the server
 #   STEP_ARGS    extra arguments of the decode-step table (STEP=0 skips it)
 # Each part has its own time limit, so one slow part cannot eat the whole call.
 set -uo pipefail
@@ -43,6 +44,9 @@ fi
 if [ "${PROTOCOL:-0}" = 1 ]; then
   timeout 560 python3 benchmarks/serve_bench.py --model $CKPT --concurrency 1,32,64,128,256 --requests 256 --warmup 64 --c1-requests 24 --starts 3 --fresh-server --max-num-seqs 256 ${PROTOCOL_ARGS:-} --out "$OUT/protocol" 2>&1 | tail -34
 fi
+for g in ${GIL_MS:-}; do
+  CLONECAST_GIL_SWITCH_MS=$g timeout 150 python3 benchmarks/serve_bench.py --model $CKPT --concurrency 64,128 --requests 256 --warmup 64 --starts 1 --max-num-seqs 256 --out "$OUT/gil_$g" 2>&1 | grep "^default.* 1 " | sed "s/^/gil $g ms: /"
+done
 if [ "${HOST:-0}" = 1 ]; then
   for c in 64 128; do
     timeout 100 python3 benchmarks/host_cost.py --model $CKPT --concurrency $c --gc-tuned --steps 80 2>&1 | grep -v Warn | tail -17
