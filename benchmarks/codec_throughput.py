@@ -51,6 +51,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="1x8,1x33,4x33,64x8,64x33")
     ap.add_argument("--reference", action="store_true", help="also time transformers' decode")
+    ap.add_argument("--variants", help="comma-separated names to run (default: all)")
     args = ap.parse_args()
     cuda = torch.device("cuda")
     with tempfile.TemporaryDirectory() as tmp:
@@ -65,7 +66,20 @@ def main() -> None:
             True,
         ),
         "bf16 snake tuned": (build_decoder(cfg, state, cuda, torch.bfloat16, True), False, True),
+        # activations in NHWC memory: no layout conversions around cuDNN's convolutions
+        "fp32+tf32 snake nhwc": (
+            build_decoder(cfg, state, cuda, torch.float32, True, True),
+            True,
+            False,
+        ),
+        "bf16 snake nhwc": (
+            build_decoder(cfg, state, cuda, torch.bfloat16, True, True),
+            False,
+            False,
+        ),
     }
+    if args.variants:
+        variants = {k: v for k, v in variants.items() if k in args.variants.split(",")}
     if args.reference:
         ref = build_reference_model(cfg, state, cuda)
         variants["transformers fp32"] = (lambda c: ref.decode(c, return_dict=False), True, False)

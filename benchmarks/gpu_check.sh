@@ -4,7 +4,7 @@
 # to /tmp/full-codec. Parts, by environment variable:
 #   ATTN=1       the attention kernel sweep (benchmarks/attention_shapes.py)
 #   GEMM=1       the cuBLAS GEMM table (GEMM_B: batch sizes)
-#   SKIP_CODEC=1 skips the codec throughput table
+#   SKIP_CODEC=1 skips the codec throughput table (CODEC_ARGS: its arguments)
 #   PYTEST_ARGS  tests to run (default: the whole suite; "" skips them)
 #   LOOP=1       the engine alone under the served load, async vs sync (LOOP_C: concurrencies)
 #   SERVE=1      a reduced served run (SERVE_C: concurrencies, SERVE_N: timed requests)
@@ -30,7 +30,7 @@ fi
 if [ "${GEMM:-0}" = 1 ]; then
   timeout 200 python3 benchmarks/gemm_shapes.py --batches ${GEMM_B:-1,64,128} 2>&1 | tee "$OUT/gemm.log" | grep -v "^(" | tail -17
 fi
-[ -n "${SKIP_CODEC:-}" ] || timeout 150 python3 benchmarks/codec_throughput.py 2>&1 | tee "$OUT/codec_throughput.log" | tail -24
+[ -n "${SKIP_CODEC:-}" ] || timeout 150 python3 benchmarks/codec_throughput.py ${CODEC_ARGS:-} 2>&1 | tee "$OUT/codec_throughput.log" | tail -24
 TESTS=${PYTEST_ARGS-tests}
 if [ -n "$TESTS" ]; then
   timeout ${TESTS_LIMIT:-400} python3 -m pytest -q -rs -p no:cacheprovider $TESTS -s 2>&1 | tee "$OUT/tests.log" | grep -E "passed|failed|error|worst|rel err|FAILED|Error" | tail -20

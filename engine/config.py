@@ -167,6 +167,9 @@ class EngineConfig:
     # flight); False: each step's rows are read before the next step is scheduled.
     async_scheduling: bool = True
     codec_dtype: str = "float32"
+    # Codec activations in NHWC memory on CUDA (no layout conversions around each cuDNN
+    # convolution); False: [B, C, T] as the checkpoint's own model runs.
+    codec_channels_last: bool = True
     # Codec windows decoded together replay CUDA graphs (one per batch size and window shape,
     # captured before any request) up to this batch; larger batches are decoded in slices of
     # it. None: min(max_num_seqs, 64) (a step rarely completes more windows; each batch size

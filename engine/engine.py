@@ -422,8 +422,15 @@ def _load_codec(path: Path, config: EngineConfig, device: torch.device, required
         dtype = (
             getattr(torch, config.codec_dtype) if config.codec_dtype != "auto" else torch.float32
         )
-        fused = device.type == "cuda" and config.fused_kernels
-        return Codec.load(path, device, dtype, config.voice_cache_bytes, fused)
+        cuda = device.type == "cuda"
+        return Codec.load(
+            path,
+            device,
+            dtype,
+            config.voice_cache_bytes,
+            cuda and config.fused_kernels,
+            cuda and config.codec_channels_last,
+        )
     except ConfigError as exc:
         if required:
             raise

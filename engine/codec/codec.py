@@ -25,9 +25,10 @@ class Codec:
         dtype: torch.dtype,
         voice_cache_bytes: int,
         fused: bool = False,
+        channels_last: bool = False,
     ):
         self.config = cfg
-        self.decoder = build_decoder(cfg, state, device, dtype, fused)
+        self.decoder = build_decoder(cfg, state, device, dtype, fused, channels_last)
         self.chunks = ChunkDecoder(self.decoder)
         self.encoder = ReferenceEncoder(cfg, state, device)
         self.voices = VoiceCache(voice_cache_bytes)
@@ -40,10 +41,12 @@ class Codec:
         dtype: torch.dtype,
         voice_cache_bytes: int,
         fused: bool = False,
+        channels_last: bool = False,
     ) -> Codec:
-        """`fused`: Triton Snake activations in the decoder (CUDA only)."""
+        """`fused`: Triton Snake activations in the decoder (CUDA only); `channels_last`: its
+        activations in NHWC memory."""
         cfg, state = load_codec_state(path)
-        return cls(cfg, state, device, dtype, voice_cache_bytes, fused)
+        return cls(cfg, state, device, dtype, voice_cache_bytes, fused, channels_last)
 
     @torch.inference_mode()
     def decode(self, codes: torch.Tensor) -> torch.Tensor:

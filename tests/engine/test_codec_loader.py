@@ -42,6 +42,24 @@ def test_decoder_matches_transformers_decode(codec_dir):
         assert _rel(got, expected) <= 1e-5
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["torch-snake", "triton-snake"])
+def test_channels_last_decoder_equals_the_default_layout(codec_dir, fused):
+    """NHWC activations and 2-D convolutions on converted weights compute the same audio
+    (fp32, to rounding); switching back restores the default path."""
+    cfg, state = load_codec_state(codec_dir)
+    plain = build_decoder(cfg, state, CPU, torch.float32, fused)
+    nhwc = build_decoder(cfg, state, CPU, torch.float32, fused, channels_last=True)
+    for b, t in [(1, 8), (3, 33), (2, 1)]:
+        codes = torch.randint(0, 1024, (b, 8, t), generator=torch.Generator().manual_seed(b + t))
+        with torch.no_grad():
+            expected, got = plain(codes), nhwc(codes)
+        assert got.shape == expected.shape == (b, 1, t * 960)
+        assert _rel(got, expected) <= 1e-5
+    nhwc.use_channels_last(False)
+    with torch.no_grad():
+        assert torch.equal(nhwc(codes), plain(codes))
+
+
 def test_bundled_codec_loads_like_the_standalone_one(codec_dir, tmp_path):
     ckpt = write_checkpoint(
         tmp_path / "v3", TINY_TEXT_CONFIG, seed=2, codec_config=TINY_CODEC_CONFIG

@@ -28,6 +28,18 @@ def test_snake_matches_reference_fp32(b, c, t, block):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("b, c, t", [(1, 1, 1), (2, 3, 5), (3, 4, 257), (1, 1, 9), (2, 5, 1)])
+def test_snake_channels_last_matches_reference(b, c, t):
+    """[B, C, 1, T] in NHWC memory (the channel varies fastest): the result keeps the layout
+    and equals the reference; a kernel indexing channels as in [B, C, T] fails here."""
+    x, alpha = _case(b, c, t, torch.float32, seed=b * 7 + t)
+    x4 = x.unsqueeze(2).contiguous(memory_format=torch.channels_last)
+    out = snake(x4, alpha, block=64)
+    assert out.is_contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(out, snake_reference(x4, alpha), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.squeeze(2), snake_reference(x, alpha), rtol=1e-5, atol=1e-5)
+
+
 def test_snake_uses_each_channels_alpha():
     """Channels are told apart: swapping two alphas swaps exactly those channels' outputs."""
     x, alpha = _case(2, 3, 9, torch.float32)
@@ -44,6 +56,8 @@ def test_snake_rejects_what_it_cannot_index():
     x, alpha = _case(1, 4, 8, torch.float32)
     with pytest.raises(ValueError, match="contiguous"):
         snake(x.transpose(1, 2), alpha)
+    with pytest.raises(ValueError, match="channels-last"):
+        snake(x.unsqueeze(2), alpha)  # 4-D but not in NHWC memory
     with pytest.raises(ValueError, match="alphas"):
         snake(x, alpha[:, :3])
 
@@ -51,8 +65,11 @@ def test_snake_rejects_what_it_cannot_index():
 @pytest.mark.cuda
 @pytest.mark.parametrize("c, t", [(1024, 33), (512, 264), (32, 31680)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_snake_codec_shapes_gpu(c, t, dtype):
+@pytest.mark.parametrize("nhwc", [False, True], ids=["nct", "nhwc"])
+def test_snake_codec_shapes_gpu(c, t, dtype, nhwc):
     x, alpha = _case(4, c, t, dtype, seed=c)
+    if nhwc:
+        x = x.unsqueeze(2).contiguous(memory_format=torch.channels_last)
     out = snake(x, alpha).float()
     ref = snake_reference(x.float(), alpha.float())  # fp32 math, as the kernel does
     tol = 1e-5 if dtype == torch.float32 else 1e-2
