@@ -166,6 +166,9 @@ class EngineConfig:
     # The host schedules and launches step N+1 before it reads step N's rows (one step in
     # flight); False: each step's rows are read before the next step is scheduled.
     async_scheduling: bool = True
+    # The sampler's noise as one Triton launch on CUDA (kernels/noise.py). Off until it has
+    # run on a GPU against its torch definition (CPU interpreter tests only so far).
+    sampler_noise_kernel: bool = False
     codec_dtype: str = "float32"
     # Codec activations in NHWC memory on CUDA (no layout conversions around each cuDNN
     # convolution); False: [B, C, T] as the checkpoint's own model runs.

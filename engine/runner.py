@@ -131,8 +131,8 @@ class ModelRunner:
         self.inputs = torch.zeros_like(first, device=self.device) if cuda else first
         self.pad_slot = config.max_num_seqs  # sampler state of padding rows
         self.delay = DelayState(config.max_num_seqs + 1, self.device)
-        fused = self.device.type == "cuda" and config.fused_kernels
-        self.sampler = Sampler(config.max_num_seqs + 1, self.device, fused)
+        noise_kernel = self.device.type == "cuda" and config.sampler_noise_kernel
+        self.sampler = Sampler(config.max_num_seqs + 1, self.device, noise_kernel)
         self.sample_buckets = sample_buckets(config.max_num_seqs)
         self.sample_hidden = torch.zeros(
             config.max_num_seqs, cfg.hidden_size, dtype=dtype, device=self.device

@@ -4,9 +4,10 @@ exponential race `argmax(p / e)`.
 Owns the per-slot sampling parameters and the noise. The noise `e ~ Exp(1)` comes from a
 counter-based hash of (request seed, row index, codebook, code), so it depends on nothing but
 the request: the same seed gives the same codes alone or inside any batch, needs no
-per-request generator objects, no host synchronisation. With `fused` (CUDA) the noise is one
-Triton launch (kernels/noise.py, the same hash) instead of about fifty elementwise kernels
-over `[R, 8 * 1026]`. Temperature 0 is greedy argmax of the masked logits.
+per-request generator objects, no host synchronisation. With `fused` the noise is one Triton
+launch (kernels/noise.py, the same hash) instead of about fifty elementwise kernels over
+`[R, 8 * 1026]` (the engine turns it on with `EngineConfig.sampler_noise_kernel`).
+Temperature 0 is greedy argmax of the masked logits.
 """
 
 from __future__ import annotations
