@@ -51,7 +51,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="1x8,1x33,4x33,64x8,64x33")
     ap.add_argument("--reference", action="store_true", help="also time transformers' decode")
-    ap.add_argument("--variants", help="comma-separated names to run (default: all)")
+    ap.add_argument(
+        "--variants", help="comma-separated names to run, '_' for a space (default: all)"
+    )
     args = ap.parse_args()
     cuda = torch.device("cuda")
     with tempfile.TemporaryDirectory() as tmp:
@@ -79,7 +81,8 @@ def main() -> None:
         ),
     }
     if args.variants:
-        variants = {k: v for k, v in variants.items() if k in args.variants.split(",")}
+        wanted = args.variants.replace("_", " ").split(",")
+        variants = {k: v for k, v in variants.items() if k in wanted}
     if args.reference:
         ref = build_reference_model(cfg, state, cuda)
         variants["transformers fp32"] = (lambda c: ref.decode(c, return_dict=False), True, False)
