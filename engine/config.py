@@ -173,6 +173,9 @@ class EngineConfig:
     # Codec activations in NHWC memory on CUDA (no layout conversions around each cuDNN
     # convolution); False: [B, C, T] as the checkpoint's own model runs.
     codec_channels_last: bool = True
+    # With channels-last on CUDA: the transposed convolutions as one GEMM + overlap-add each
+    # instead of cuDNN's (which took a slow fp32 path on the H200). Off until measured there.
+    codec_transpose_gemm: bool = False
     # Codec windows decoded together replay CUDA graphs (one per batch size and window shape,
     # captured before any request) up to this batch; larger batches are decoded in slices of
     # it. None: min(max_num_seqs, 64) (a step rarely completes more windows; each batch size
@@ -209,6 +212,8 @@ class EngineConfig:
             raise ConfigError("kv_cache_memory_fraction must be in (0, 1)")
         if self.codec_graph_max_batch is not None and self.codec_graph_max_batch < 0:
             raise ConfigError("codec_graph_max_batch must be >= 0 (0: no codec graphs)")
+        if self.codec_transpose_gemm and not self.codec_channels_last:
+            raise ConfigError("codec_transpose_gemm needs codec_channels_last")
 
     @property
     def max_blocks_per_seq(self) -> int:
