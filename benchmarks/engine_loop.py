@@ -97,6 +97,20 @@ def run(engine, reference, concurrency: int, warmup_s: float, timed_s: float, pr
     }, summary
 
 
+def _field(item: str) -> tuple[str, object]:
+    """`name=value` -> (name, bool / int / float / str value)."""
+    name, _, text = item.partition("=")
+    lowered = text.lower()
+    if lowered in ("true", "false"):
+        return name, lowered == "true"
+    for kind in (int, float):
+        try:
+            return name, kind(text)
+        except ValueError:
+            pass
+    return name, text
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument(
@@ -110,6 +124,13 @@ def main() -> None:
     ap.add_argument("--eager", action="store_true", help="CUDA graphs off")
     ap.add_argument("--profile", help="write profiler tables of a 30-step window here")
     ap.add_argument("--modes", default="async,sync", help="scheduling modes to run")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="an EngineConfig field for this run, e.g. sampler_noise_kernel=true (repeatable)",
+    )
     args = ap.parse_args()
     model = None if args.model == "default" else args.model
     if model is not None:
@@ -117,7 +138,12 @@ def main() -> None:
     from engine import Engine, EngineConfig, default_device
 
     cs = [int(c) for c in args.concurrency.split(",")]
-    config = EngineConfig(device=default_device(), max_num_seqs=max(cs), cuda_graphs=not args.eager)
+    config = EngineConfig(
+        device=default_device(),
+        max_num_seqs=max(cs),
+        cuda_graphs=not args.eager,
+        **dict(_field(item) for item in args.set),
+    )
     t = time.perf_counter()
     engine = Engine.from_pretrained(model, config)
     print(f"engine ready in {time.perf_counter() - t:.1f} s", flush=True)

@@ -7,6 +7,8 @@
 #   SKIP_CODEC=1 skips the codec throughput table (CODEC_ARGS: its arguments)
 #   PYTEST_ARGS  tests to run (default: the whole suite; "" skips them)
 #   LOOP=1       the engine alone under the served load, async vs sync (LOOP_C: concurrencies)
+#   LOOP_AB      the same load per EngineConfig override set, e.g.
+#                "sampler_noise_kernel=true codec_transpose_gemm=true+sampler_noise_kernel=true"
 #   SERVE=1      a reduced served run (SERVE_C: concurrencies, SERVE_N: timed requests)
 #   PROTOCOL=1   the full served protocol of performance.md (C = 1..256, 3 fresh starts)
 #   HOST=1       host work per engine step at C = 64 and 128 (benchmarks/host_cost.py)
@@ -38,6 +40,12 @@ fi
 if [ "${LOOP:-0}" = 1 ]; then
   timeout 300 python3 benchmarks/engine_loop.py --model $CKPT --concurrency ${LOOP_C:-1,32,64} --warmup-s 4 --timed-s 6 ${LOOP_ARGS:-} --profile "$OUT/loop_profile.txt" 2>&1 | tee "$OUT/engine_loop.log" | grep -v "^{" | tail -9
 fi
+# LOOP_AB="a b": the engine alone again with each of these EngineConfig overrides (a, b: one
+# or more --set FIELD=VALUE joined by '+'), no profile, same load
+for ab in ${LOOP_AB:-}; do
+  echo "engine_loop with ${ab//+/ }"
+  timeout 150 python3 benchmarks/engine_loop.py --model $CKPT --concurrency ${LOOP_C:-1,32,64} --warmup-s 4 --timed-s 6 ${LOOP_ARGS:-} $(for kv in ${ab//+/ }; do echo --set $kv; done) 2>&1 | grep -v "^{" | tail -3
+done
 if [ "${SERVE:-0}" = 1 ]; then
   timeout 300 python3 benchmarks/serve_bench.py --model $CKPT --concurrency ${SERVE_C:-1,64} --requests ${SERVE_N:-0} --warmup -1 --starts 1 --out "$OUT/serve" 2>&1 | tail -6
 fi
