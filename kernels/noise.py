@@ -12,12 +12,11 @@ has no libdevice: there it is `tl.log`). Knows nothing of requests: tensors in, 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
+from triton.runtime.interpreter import InterpretedFunction
 
 
 @triton.jit
@@ -57,7 +56,7 @@ def exponential_noise_fused(
     if r:
         block = 1024
         grid = (r, triton.cdiv(cells, block))
-        interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+        interpreted = isinstance(_noise_kernel, InterpretedFunction)  # as Triton decided
         _noise_kernel[grid](
             seeds, row_index, out, CELLS=cells, BLOCK=block, LIBDEVICE=not interpreted
         )

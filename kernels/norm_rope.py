@@ -147,6 +147,7 @@ def _launch_qk_norm_rope(
     store = cache is not None
     if store:
         assert cache.is_contiguous() and cache.shape[3:] == (hkv, d)
+        assert slots.shape == (t,), "one cache slot per token"
         _, num_blocks, block_size, _, _ = cache.shape
         plane, skip_below = num_blocks * block_size * hkv * d, block_size
     else:

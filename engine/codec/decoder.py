@@ -47,22 +47,24 @@ class Conv1d(nn.Conv1d):
     """nn.Conv1d (same parameters) that, once `channels_last` is set, takes `[B, C, 1, T]`
     NHWC activations and runs as conv2d on a channels-last copy of its weight."""
 
-    weight4: torch.Tensor | None = None
-
     def set_channels_last(self, on: bool) -> None:
-        w = self.weight.detach().unsqueeze(2)
-        self.weight4 = w.contiguous(memory_format=torch.channels_last) if on else None
+        # a copy (never an alias of weight), a non-persistent buffer: moves with .to(), not
+        # in the state dict
+        w = self.weight.detach().unsqueeze(2).clone(memory_format=torch.channels_last)
+        self.register_buffer("weight4", w if on else None, persistent=False)
 
     def forward(self, x):
-        if self.weight4 is None:
+        weight4 = self._buffers.get("weight4")
+        if weight4 is None:
             return super().forward(x)
         return F.conv2d(
             x,
-            self.weight4,
+            weight4,
             self.bias,
             (1, self.stride[0]),
             (0, self.padding[0]),
             (1, self.dilation[0]),
+            self.groups,
         )
 
 
@@ -77,38 +79,41 @@ class ConvTranspose1d(nn.ConvTranspose1d):
     the full output `[B, (T+1)*s, Cout]` is the first half of z plus the second half moved one
     frame on; cropping `padding` at the front gives the module's output."""
 
-    weight4: torch.Tensor | None = None
-    weight_gemm: torch.Tensor | None = None
-
     def set_channels_last(self, on: bool, gemm: bool = False) -> None:
-        w = self.weight.detach()
-        self.weight4 = w.unsqueeze(2).contiguous(memory_format=torch.channels_last) if on else None
-        usable = self.kernel_size[0] == 2 * self.stride[0] and self.dilation[0] == 1
+        usable = (
+            self.kernel_size[0] == 2 * self.stride[0] and self.dilation[0] == 1 and self.groups == 1
+        )
         if on and gemm and not usable:
-            raise ValueError("the GEMM form needs kernel = 2 * stride and no dilation")
+            raise ValueError("the GEMM form needs kernel = 2 * stride, no dilation, no groups")
+        w = self.weight.detach()
+        w4 = w.unsqueeze(2).clone(memory_format=torch.channels_last)  # a copy, never an alias
+        self.register_buffer("weight4", w4 if on else None, persistent=False)
         # [Cin, Cout, K] -> [Cin, K * Cout]: column k * Cout + co is tap k of channel co
-        self.weight_gemm = w.permute(0, 2, 1).reshape(w.shape[0], -1) if on and gemm else None
+        wg = w.permute(0, 2, 1).reshape(w.shape[0], -1).clone()
+        self.register_buffer("weight_gemm", wg if on and gemm else None, persistent=False)
 
     def forward(self, x):
-        if self.weight4 is None:
+        weight4 = self._buffers.get("weight4")
+        if weight4 is None:
             return super().forward(x)
-        if self.weight_gemm is not None:
+        if self._buffers.get("weight_gemm") is not None:
             return self._forward_gemm(x)
         return F.conv_transpose2d(
             x,
-            self.weight4,
+            weight4,
             self.bias,
             (1, self.stride[0]),
             (0, self.padding[0]),
             (0, self.output_padding[0]),
-            1,
+            self.groups,
             (1, self.dilation[0]),
         )
 
     def _forward_gemm(self, x):
         b, _, _, t = x.shape  # [B, Cin, 1, T], NHWC memory
         s, cout = self.stride[0], self.out_channels
-        taps = (x.permute(0, 2, 3, 1).reshape(b * t, -1) @ self.weight_gemm).view(b, t, 2, s, cout)
+        weight = self._buffers["weight_gemm"]
+        taps = (x.permute(0, 2, 3, 1).reshape(b * t, -1) @ weight).view(b, t, 2, s, cout)
         full = x.new_zeros(b, t + 1, s, cout)
         full[:, :t] += taps[:, :, 0]
         full[:, 1:] += taps[:, :, 1]

@@ -177,3 +177,29 @@ def test_decoder_only_codec_streams_but_cannot_encode(codec_dir, tmp_path):
     assert len(r.pcm) == 12 * 1920
     with pytest.raises(ConfigError, match="no encoder weights"):
         engine.encode_reference(waveform=torch.randn(24000) * 0.1, sample_rate=24000)
+
+
+def test_channels_last_weights_follow_the_module(codec_dir):
+    """The converted weights are non-persistent buffers: `.to()` casts them, the state dict
+    keeps the checkpoint's keys, and they are copies taken when the mode is set."""
+    cfg, state = load_codec_state(codec_dir)
+    plain = build_decoder(cfg, state, CPU, torch.float32)
+    nhwc = build_decoder(cfg, state, CPU, torch.float32, False, True, True)
+    assert set(nhwc.state_dict()) == set(plain.state_dict())
+    codes = torch.randint(0, 1024, (2, 8, 5), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out64 = nhwc.to(torch.float64)(codes)
+        assert out64.dtype == torch.float64
+        assert _rel(out64.float(), plain(codes)) <= 1e-5
+
+
+def test_channels_last_convolution_keeps_groups():
+    from engine.codec.decoder import Conv1d
+
+    conv = Conv1d(4, 6, 3, padding=1, groups=2)
+    x = torch.randn(2, 4, 9)
+    with torch.no_grad():
+        ref = conv(x)
+        conv.set_channels_last(True)
+        got = conv(x.unsqueeze(2).contiguous(memory_format=torch.channels_last)).squeeze(2)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
