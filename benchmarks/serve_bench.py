@@ -269,10 +269,15 @@ def start_server(
     raise RuntimeError("server did not become ready")
 
 
-def step_stats(port: int) -> tuple[float, float]:
+def step_stats(port: int) -> tuple[float, float, float]:
+    """(seconds in steps, steps, rows sampled) so far, from the server's /metrics."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
     get = lambda name: float(next(l.split()[-1] for l in text.splitlines() if l.startswith(name)))  # noqa: E731,E741
-    return get("clonecast_engine_step_seconds_sum"), get("clonecast_engine_step_seconds_count")
+    return (
+        get("clonecast_engine_step_seconds_sum"),
+        get("clonecast_engine_step_seconds_count"),
+        get("clonecast_engine_rows_total"),
+    )
 
 
 async def create_voice(url: str, audio: bytes) -> str:
@@ -312,7 +317,8 @@ def bench_server(args, eager: bool, out: Path) -> dict:
                 server = start_server(args.model, port, eager, args.max_num_seqs, log, args.sim)
                 voice = asyncio.run(create_voice(url, reference_wav(args.reference_s)))
             for c, starts in runs.items():
-                s0, n0 = step_stats(port)
+                s0, n0, rows0 = step_stats(port)
+                t0 = time.perf_counter()
                 warmup = max(args.warmup, c)
                 timed = args.requests if args.requests > 0 else max(16, 2 * c)
                 if c == 1 and args.requests > 0:  # a closed loop of one: fewer suffice
@@ -322,16 +328,22 @@ def bench_server(args, eager: bool, out: Path) -> dict:
                     run_load(url, voice, c, warmup, timed, seed=1000 * c + s)
                 )
                 running, waiting = sampler.stop(min(r.sent for r in recs), end)
-                s1, n1 = step_stats(port)
+                s1, n1, rows1 = step_stats(port)
+                load_s = time.perf_counter() - t0
                 window = saturated(recs, every, end)
                 summary = summarise(recs, window)
                 summary["window"] = window
                 summary["mean_running"], summary["mean_waiting"] = running, waiting
+                steps = max(1, n1 - n0)
+                summary["rows_per_step"] = (rows1 - rows0) / steps
+                summary["loop_ms"] = load_s / steps * 1e3  # wall per step, idle included
                 print(
                     f"C={c} start {s + 1}: saturated window: mean running {running:.1f}, "
                     f"waiting {waiting:.1f}, "
                     f"client gap "
-                    f"{summary['client_gap_ms']:.1f} ms, saturated window {window[1]:.1f} s",
+                    f"{summary['client_gap_ms']:.1f} ms, saturated window {window[1]:.1f} s; "
+                    f"whole load: {summary['rows_per_step']:.1f} rows a step, "
+                    f"{summary['loop_ms']:.2f} ms of wall a step",
                     flush=True,
                 )
                 partial = {str(k): [x for x, _ in v] for k, v in runs.items()}

@@ -79,9 +79,10 @@ class Services:
         self.worker = EngineWorker(self.engine, on_step=self._on_step)
         self.worker.start()
 
-    def _on_step(self, seconds: float, outputs: int) -> None:
+    def _on_step(self, seconds: float, stats) -> None:
         self.metrics.step.observe(seconds)
-        self.metrics.update_engine(self.engine.stats)
+        self.metrics.count_rows(stats.num_rows_generated)
+        self.metrics.update_engine(stats)
 
     async def warm_up(self) -> None:
         """One short request end to end, so the first client does not pay for lazy set-up."""

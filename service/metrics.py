@@ -56,6 +56,12 @@ class Metrics:
             buckets=STEP_BUCKETS,
             registry=r,
         )
+        self._rows_seen = 0
+        self.rows = Counter(
+            p + "engine_rows",
+            "Rows sampled by the engine (one per decoding request and step; 40 ms of audio each)",
+            registry=r,
+        )
         self.audio_seconds = Counter(
             p + "audio_seconds", "Seconds of audio sent to clients", registry=r
         )
@@ -88,6 +94,11 @@ class Metrics:
         self.capture_seconds = Gauge(
             p + "graph_capture_seconds", "Time spent capturing graphs", ["family"], registry=r
         )
+
+    def count_rows(self, total: int) -> None:
+        """The engine's running total of rows; called by one thread only (the engine's)."""
+        self.rows.inc(total - self._rows_seen)
+        self._rows_seen = total
 
     def update_engine(self, stats) -> None:
         self.running.set(stats.num_running)

@@ -18,7 +18,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine import ConfigError, Engine, RequestOutput, SamplingParams, VoiceReference
+from engine import (
+    ConfigError,
+    Engine,
+    EngineStats,
+    RequestOutput,
+    SamplingParams,
+    VoiceReference,
+)
 
 log = logging.getLogger("clonecast.worker")
 Sink = Callable[[RequestOutput | BaseException], None]
@@ -35,7 +42,8 @@ class _Add:
 
 
 class EngineWorker:
-    def __init__(self, engine: Engine, on_step: Callable[[float, int], None] | None = None):
+    def __init__(self, engine: Engine, on_step: Callable[[float, EngineStats], None] | None = None):
+        """`on_step(seconds, stats)` after every step, on the engine thread."""
         self.engine = engine
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
@@ -97,7 +105,7 @@ class EngineWorker:
             stats = self.engine.stats
             self.num_waiting, self.num_running = stats.num_waiting, stats.num_running
             if self._on_step is not None:
-                self._on_step(time.perf_counter() - t0, len(outputs))
+                self._on_step(time.perf_counter() - t0, stats)
 
     def _drain(self, block: bool) -> None:
         try:

@@ -120,6 +120,8 @@ def test_metrics_count_a_websocket_utterance(server):
     assert (
         after["clonecast_engine_step_seconds_count"] > before["clonecast_engine_step_seconds_count"]
     )
+    # 1 s of audio: 25 frames + the 8-row ramp, every row counted once
+    assert after["clonecast_engine_rows_total"] - before["clonecast_engine_rows_total"] >= 25
 
 
 def test_speech_wav_is_a_complete_file(server):
