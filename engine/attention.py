@@ -5,8 +5,11 @@ The runner builds one `AttentionMetadata` per step and sets it around the forwar
 `attention_context(...)`; every layer reads it from there. Backends receive only tensors and
 that metadata, never requests or the scheduler.
 
-KV cache layout per layer: `[2, num_blocks, block_size, num_kv_heads, head_dim]`; position p
-of a sequence lives at slot `block_table[p // block_size] * block_size + p % block_size`.
+KV cache per layer, as every backend sees it: `[2, num_blocks, block_size, num_kv_heads,
+head_dim]` with head_dim contiguous; position p of a sequence lives at slot
+`block_table[p // block_size] * block_size + p % block_size`. The memory behind it is either
+that order ("nhd") or head-major (`[2, num_blocks, num_kv_heads, block_size, head_dim]`
+permuted, "hnd": one head's page contiguous); backends address it through its strides.
 """
 
 from __future__ import annotations
@@ -83,10 +86,10 @@ class AttentionBackend(Protocol):
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
-    _, num_blocks, block_size, hkv, d = kv_cache.shape
-    flat = kv_cache.view(2, num_blocks * block_size, hkv, d)
-    flat[0].index_copy_(0, slots, k.to(kv_cache.dtype))
-    flat[1].index_copy_(0, slots, v.to(kv_cache.dtype))
+    block_size = kv_cache.shape[2]
+    blocks, rows = slots // block_size, slots % block_size  # any memory layout
+    kv_cache[0, blocks, rows] = k.to(kv_cache.dtype)
+    kv_cache[1, blocks, rows] = v.to(kv_cache.dtype)
 
 
 class TorchAttention:
@@ -188,7 +191,7 @@ class VarlenAttention:
         from torch.nn.attention.varlen import varlen_attn
 
         b, t = meta.num_seqs, meta.num_tokens
-        _, num_blocks, block_size, hkv, d = kv_cache.shape
+        _, _, block_size, hkv, d = kv_cache.shape
         width = meta.max_seq_len
         lens = meta.seq_lens[:b].long()
         cu_k = torch.zeros(b + 1, dtype=torch.int32, device=q.device)
@@ -196,11 +199,11 @@ class VarlenAttention:
         pos = torch.arange(width, device=q.device)
         valid = pos[None, :] < lens[:, None]  # [B, W]
         tables = meta.block_tables[:b, : -(-width // block_size)].long()
-        slots = tables[:, pos // block_size] * block_size + pos % block_size  # [B, W]
+        blocks = tables[:, pos // block_size].reshape(-1)  # [B * W]
+        rows = (pos % block_size).repeat(b)
         dest = torch.where(valid, cu_k[:b, None].long() + pos[None, :], b * width)  # spare row
-        flat = kv_cache.view(2, num_blocks * block_size, hkv, d)
-        packed = flat.new_empty(2, b * width + 1, hkv, d)
-        packed[:, dest.reshape(-1)] = flat[:, slots.reshape(-1)]
+        packed = kv_cache.new_empty(2, b * width + 1, hkv, d)
+        packed[:, dest.reshape(-1)] = kv_cache[:, blocks, rows]
         out = varlen_attn(
             q[:t],
             packed[0],

@@ -158,6 +158,9 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory_fraction: float = 0.6
+    # Memory order of each layer's KV cache: "nhd" [blocks, page, heads, dim] or "hnd"
+    # [blocks, heads, page, dim] (one head's page contiguous). Backends see the same shape.
+    kv_cache_layout: str = "nhd"
     enable_prefix_caching: bool = True
     # auto: triton on CUDA, torch on the CPU; varlen: PyTorch's FlashAttention (CUDA, eager)
     attention_backend: str = "auto"
@@ -212,6 +215,8 @@ class EngineConfig:
             raise ConfigError("kv_cache_memory_fraction must be in (0, 1)")
         if self.codec_graph_max_batch is not None and self.codec_graph_max_batch < 0:
             raise ConfigError("codec_graph_max_batch must be >= 0 (0: no codec graphs)")
+        if self.kv_cache_layout not in ("nhd", "hnd"):
+            raise ConfigError(f"kv_cache_layout must be nhd or hnd, got {self.kv_cache_layout!r}")
         if self.codec_transpose_gemm and not self.codec_channels_last:
             raise ConfigError("codec_transpose_gemm needs codec_channels_last")
 

@@ -78,14 +78,17 @@ def _qk_norm_rope_kernel(
     k_ptr,
     cache_ptr,
     slot_ptr,
-    plane,  # elements of one of the two cache planes (K or V)
-    skip_below,  # slots below this belong to the reserved padding block
+    stride_cp,  # cache strides: K/V plane, block, row in the block, head (D is contiguous)
+    stride_cb,
+    stride_cs,
+    stride_ch,
     eps,
     HQ: tl.constexpr,
     HKV: tl.constexpr,
     D: tl.constexpr,
     HEADS: tl.constexpr,
     STORE: tl.constexpr,
+    PAGE: tl.constexpr,
 ):
     # One program per token: every q and k head (and with STORE the v heads) as the rows of
     # one [HEADS, D/2] tile pair. With STORE, k and v go straight into the KV cache at the
@@ -123,13 +126,14 @@ def _qk_norm_rope_kernel(
     tl.store(q_row + half[None, :], o1, mask=is_q[:, None])
     tl.store(q_row + D // 2 + half[None, :], o2, mask=is_q[:, None])
     if STORE:
-        slot = tl.load(slot_ptr + token)
-        keep = slot >= skip_below
+        slot = tl.load(slot_ptr + token).to(tl.int64)
+        keep = slot >= PAGE  # slots in the reserved block 0 are padding rows
         cdtype = cache_ptr.dtype.element_ty
-        k_row = cache_ptr + slot.to(tl.int64) * (HKV * D) + (head[:, None] - HQ) * D
+        at = cache_ptr + (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs
+        k_row = at + (head[:, None] - HQ) * stride_ch
         tl.store(k_row + half[None, :], o1.to(cdtype), mask=is_k[:, None] & keep)
         tl.store(k_row + D // 2 + half[None, :], o2.to(cdtype), mask=is_k[:, None] & keep)
-        v_row = k_row + plane - HKV * D  # head - HQ - HKV is the v head
+        v_row = at + stride_cp + (head[:, None] - HQ - HKV) * stride_ch
         tl.store(v_row + half[None, :], x1.to(cdtype), mask=is_v[:, None] & keep)
         tl.store(v_row + D // 2 + half[None, :], x2.to(cdtype), mask=is_v[:, None] & keep)
     else:
@@ -146,12 +150,11 @@ def _launch_qk_norm_rope(
     q = torch.empty(t, hq, d, dtype=qkv.dtype, device=qkv.device)
     store = cache is not None
     if store:
-        assert cache.is_contiguous() and cache.shape[3:] == (hkv, d)
+        assert cache.stride(4) == 1 and cache.shape[3:] == (hkv, d)
         assert slots.shape == (t,), "one cache slot per token"
-        _, num_blocks, block_size, _, _ = cache.shape
-        plane, skip_below = num_blocks * block_size * hkv * d, block_size
+        strides, page = cache.stride()[:4], cache.shape[2]
     else:
-        plane, skip_below = 0, 0
+        strides, page = (0, 0, 0, 0), 1
     _qk_norm_rope_kernel[(t,)](
         qkv,
         q_weight,
@@ -163,14 +166,14 @@ def _launch_qk_norm_rope(
         q if k is None else k,
         cache if store else q,
         slots if store else positions,
-        plane,
-        skip_below,
+        *strides,
         eps,
         HQ=hq,
         HKV=hkv,
         D=d,
         HEADS=triton.next_power_of_2(hq + (2 if store else 1) * hkv),
         STORE=store,
+        PAGE=page,
     )
     return q
 

@@ -105,7 +105,8 @@ def test_capture_bound_red_green_with_our_kernel(tmp_path, bound, should_match):
 
 
 @pytest.mark.cuda
-def test_every_replay_equals_its_eager_twin_and_rows_match_eager_engine(tiny_ckpt):
+@pytest.mark.parametrize("layout", ["nhd", "hnd"])  # KV cache memory order
+def test_every_replay_equals_its_eager_twin_and_rows_match_eager_engine(tiny_ckpt, layout):
     base = dict(
         device="cuda",
         dtype="float32",
@@ -113,6 +114,7 @@ def test_every_replay_equals_its_eager_twin_and_rows_match_eager_engine(tiny_ckp
         max_num_batched_tokens=128,
         num_kv_blocks=1024,
         max_model_len=2048,
+        kv_cache_layout=layout,
     )
     graphed = Engine.from_pretrained(tiny_ckpt, EngineConfig(cuda_graphs=True, **base))
     runner = graphed.runner

@@ -109,3 +109,24 @@ def test_default_model_is_used_without_a_path(tmp_path):
 def test_voice_reference_type_checked():
     with pytest.raises(ConfigError):
         VoiceReference(((1, 2, 3),), "bad width")
+
+
+def test_head_major_kv_cache_gives_the_same_rows(tiny_ckpt):
+    """kv_cache_layout='hnd' (one head's page contiguous in memory) changes where K/V live,
+    not what the model computes: a mixed batch samples the same rows as with 'nhd'."""
+    reqs = _mixed_batch(6)
+    rows = {}
+    for layout in ("nhd", "hnd"):
+        engine = Engine.from_pretrained(
+            tiny_ckpt,
+            EngineConfig(
+                block_size=4, max_num_seqs=6, max_num_batched_tokens=32, kv_cache_layout=layout
+            ),
+        )
+        cache = engine.runner.kv_caches[0]
+        assert cache.shape[2] == 4 and (cache.stride(2) > cache.stride(3)) == (layout == "nhd")
+        results = engine.generate(
+            [r[1] for r in reqs], references=[r[2] for r in reqs], params=[r[3] for r in reqs]
+        )
+        rows[layout] = [r.rows for r in results]
+    assert rows["hnd"] == rows["nhd"]

@@ -28,12 +28,14 @@ CFG = ModelConfig(
 PAGE, BLOCKS = 4, 8
 
 
-def _run(fused: bool, backend: str):
+def _run(fused: bool, backend: str, layout: str = "nhd"):
     torch.manual_seed(0)
     model = HiggsModel(CFG, make_backend(backend), fused)
     for p in model.parameters():
         torch.nn.init.normal_(p, std=0.2)
     caches = [torch.zeros(2, BLOCKS, PAGE, 2, 16) for _ in range(CFG.num_layers)]
+    if layout == "hnd":  # head-major memory, the usual shape
+        caches = [torch.zeros(2, BLOCKS, 2, PAGE, 16).permute(0, 1, 3, 2, 4) for _ in caches]
     # sequence 0: 5 prefill tokens (blocks 1, 2); sequence 1: 2 tokens (block 3); two padding
     # rows with slots in block 0
     meta = AttentionMetadata(
@@ -53,10 +55,11 @@ def _run(fused: bool, backend: str):
     return hidden[:7], caches
 
 
+@pytest.mark.parametrize("layout", ["nhd", "hnd"])
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_fused_ops_equal_torch_ops(backend):
+def test_fused_ops_equal_torch_ops(backend, layout):
     ref_hidden, ref_caches = _run(False, "torch")
-    hidden, caches = _run(True, backend)
+    hidden, caches = _run(True, backend, layout)
     torch.testing.assert_close(hidden, ref_hidden, rtol=1e-5, atol=1e-5)
     for cache, ref in zip(caches, ref_caches, strict=True):
         torch.testing.assert_close(cache[:, 1:], ref[:, 1:], rtol=1e-5, atol=1e-5)

@@ -25,13 +25,20 @@ def _case(t, hkv, d, num_blocks, block_size, dtype, seed, padding):
     return k, v, cache, slots.to(DEVICE)
 
 
+def _head_major(cache):
+    """The same values in head-major memory ([2, blocks, Hkv, page, D] permuted back)."""
+    return cache.permute(0, 1, 3, 2, 4).contiguous().permute(0, 1, 3, 2, 4)
+
+
 @pytest.mark.parametrize(
     "t, hkv, d, blocks, bs, padding",
     [(1, 2, 16, 4, 4, 0), (7, 2, 16, 6, 4, 2), (33, 4, 32, 20, 8, 5), (5, 8, 128, 4, 16, 1)],
 )
-def test_matches_the_reference_and_skips_padding(t, hkv, d, blocks, bs, padding):
+@pytest.mark.parametrize("layout", ["nhd", "hnd"])
+def test_matches_the_reference_and_skips_padding(t, hkv, d, blocks, bs, padding, layout):
     k, v, cache, slots = _case(t, hkv, d, blocks, bs, torch.float32, t * 7 + d, padding)
-    ours, ref = cache.clone(), cache.clone()
+    ours = cache.clone() if layout == "nhd" else _head_major(cache)
+    ref = cache.clone()
     store_kv_fused(k, v, ours, slots)
     store_kv(k, v, ref, slots)
     torch.testing.assert_close(ours[:, 1:], ref[:, 1:], rtol=0, atol=0)
@@ -40,9 +47,11 @@ def test_matches_the_reference_and_skips_padding(t, hkv, d, blocks, bs, padding)
 
 
 @pytest.mark.cuda
-def test_higgs_shape_bf16():
+@pytest.mark.parametrize("layout", ["nhd", "hnd"])
+def test_higgs_shape_bf16(layout):
     k, v, cache, slots = _case(512, 8, 128, 600, 16, torch.bfloat16, 3, 40)
-    ours, ref = cache.clone(), cache.clone()
+    ours = cache.clone() if layout == "nhd" else _head_major(cache)
+    ref = cache.clone()
     store_kv_fused(k, v, ours, slots)
     store_kv(k, v, ref, slots)
     assert torch.equal(ours[:, 1:], ref[:, 1:]) and torch.equal(ours[:, 0], cache[:, 0])

@@ -75,7 +75,8 @@ def test_qk_norm_rope(dtype, hq, hkv, d, t):
     [(4, 2, 16, 5, 4, 4, 1), (8, 2, 32, 9, 6, 4, 0)]
     + ([(32, 8, 128, 77, 40, 16, 13)] if DEVICE == "cuda" else []),
 )
-def test_qk_norm_rope_store(dtype, hq, hkv, d, t, blocks, page, padding):
+@pytest.mark.parametrize("layout", ["nhd", "hnd"])
+def test_qk_norm_rope_store(dtype, hq, hkv, d, t, blocks, page, padding, layout):
     """The fused launch writes the cache exactly as q/k-norm+RoPE followed by the KV store,
     skips padding rows (slots in block 0) and returns the same q."""
     g = torch.Generator().manual_seed(t * 31 + d)
@@ -92,6 +93,8 @@ def test_qk_norm_rope_store(dtype, hq, hkv, d, t, blocks, page, padding):
     ref = cache.clone()
     store_kv(ref_k, qkv[:, (hq + hkv) * d :].view(t, hkv, d), ref, slots)
     ours = cache.clone()
+    if layout == "hnd":  # the same values in head-major memory, seen in the usual shape
+        ours = cache.permute(0, 1, 3, 2, 4).contiguous().permute(0, 1, 3, 2, 4)
     q = qk_norm_rope_store(qkv, *args, ours, slots)
     assert torch.equal(q, ref_q)
     assert torch.equal(ours[:, 1:], ref[:, 1:])

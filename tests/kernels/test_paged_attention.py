@@ -31,6 +31,11 @@ def make_batch(q_lens, ctx_lens, hq, hkv, d, page, dtype, device, seed=0):
     return q, k, v, meta
 
 
+def _head_major(cache):
+    """The same values with head-major memory ([blocks, Hkv, page, D]) in the usual shape."""
+    return cache.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
+
+
 def rel_err(out, ref):
     return float((out.float() - ref.float()).norm() / ref.float().norm())
 
@@ -54,6 +59,21 @@ def test_kernel_matches_reference_small(q_lens, ctx_lens, hq, hkv, d, page):
     ref = paged_attention_reference(q, k, v, *meta, d**-0.5)
     assert torch.isfinite(out).all()
     assert rel_err(out, ref) <= (3e-3 if GPU else 1e-5)  # tf32 dots on a GPU
+
+
+@pytest.mark.parametrize("q_lens, ctx_lens", CPU_CASES[1:3])
+def test_kernel_reads_a_head_major_cache(q_lens, ctx_lens):
+    """K/V in head-major memory ([blocks, Hkv, page, D] seen as [blocks, page, Hkv, D]): the
+    kernel addresses pages through the strides and computes the same attention."""
+    device = "cuda" if GPU else "cpu"
+    q, k, v, meta = make_batch(q_lens, ctx_lens, 8, 2, 32, 16, torch.float32, device)
+    hk, hv = (_head_major(x) for x in (k, v))
+    assert hk.stride(1) < hk.stride(2)  # the head-major order really is in memory
+    ref = torch.full_like(q, float("nan"))
+    out = torch.full_like(q, float("nan"))
+    paged_attention(q, k, v, *meta, 32**-0.5, max(q_lens), out=ref)
+    paged_attention(q, hk, hv, *meta, 32**-0.5, max(q_lens), out=out)
+    assert torch.equal(out, ref)
 
 
 def test_a_too_small_launch_bound_leaves_long_queries_uncomputed():
@@ -80,8 +100,11 @@ def test_a_too_small_launch_bound_leaves_long_queries_uncomputed():
     ],
 )
 @pytest.mark.parametrize("bound", [0, 256])  # 0: max(q_lens); 256: a captured bucket's bound
-def test_kernel_matches_reference_higgs_shape_bf16(q_lens, ctx_lens, bound):
+@pytest.mark.parametrize("layout", ["nhd", "hnd"])
+def test_kernel_matches_reference_higgs_shape_bf16(q_lens, ctx_lens, bound, layout):
     q, k, v, meta = make_batch(q_lens, ctx_lens, 32, 8, 128, 16, torch.bfloat16, "cuda")
+    if layout == "hnd":
+        k, v = (_head_major(x) for x in (k, v))
     out = torch.full_like(q, float("nan"))
     paged_attention(q, k, v, *meta, 128**-0.5, bound or max(q_lens), out=out)
     ref = paged_attention_reference(q, k, v, *meta, 128**-0.5)
@@ -91,12 +114,15 @@ def test_kernel_matches_reference_higgs_shape_bf16(q_lens, ctx_lens, bound):
 
 @pytest.mark.parametrize("splits", [2, 4, 8])
 @pytest.mark.parametrize("ctx_lens", [[5, 0, 17], [40, 1, 130, 0]])
-def test_split_kv_decode_matches_reference(splits, ctx_lens):
+@pytest.mark.parametrize("layout", ["nhd", "hnd"])
+def test_split_kv_decode_matches_reference(splits, ctx_lens, layout):
     from kernels.paged_attention import paged_decode_attention
 
     device = "cuda" if GPU else "cpu"
     q_lens = [1 if c or i % 2 == 0 else 0 for i, c in enumerate(ctx_lens)]
     q, k, v, meta = make_batch(q_lens, ctx_lens, 8, 2, 32, 16, torch.float32, device, seed=splits)
+    if layout == "hnd":
+        k, v = (_head_major(x) for x in (k, v))
     out = torch.full_like(q, float("nan"))
     paged_decode_attention(q, k, v, *meta, 32**-0.5, splits, out=out)
     ref = paged_attention_reference(q, k, v, *meta, 32**-0.5)
