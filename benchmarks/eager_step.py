@@ -17,6 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.floor import floor_ms  # noqa: E402
+from benchmarks.overrides import overrides  # noqa: E402
 from engine import Engine, EngineConfig, SamplingParams, VoiceReference  # noqa: E402
 
 
@@ -108,6 +109,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--variants", default="torch-eager,triton-eager,triton-graphs")
     ap.add_argument("--profile", help="write a torch.profiler table of the graph path here")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="an EngineConfig field for every variant, e.g. kv_cache_layout=hnd (repeatable)",
+    )
     args = ap.parse_args()
     variants = {
         "torch-eager": dict(attention_backend="torch", cuda_graphs=False),
@@ -130,6 +138,7 @@ def main() -> None:
             codec_graph_max_batch=0,  # codes only: no codec graphs to capture
             enable_prefix_caching=False,
             **extra,
+            **overrides(args.set),
         )
         engine = Engine.from_pretrained(args.ckpt, cfg)
         for r in engine.capture_reports:

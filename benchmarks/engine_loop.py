@@ -20,6 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.overrides import overrides  # noqa: E402
 from benchmarks.serve_bench import TEXTS, durations, reference_wav, write_full  # noqa: E402
 
 
@@ -97,20 +98,6 @@ def run(engine, reference, concurrency: int, warmup_s: float, timed_s: float, pr
     }, summary
 
 
-def _field(item: str) -> tuple[str, object]:
-    """`name=value` -> (name, bool / int / float / str value)."""
-    name, _, text = item.partition("=")
-    lowered = text.lower()
-    if lowered in ("true", "false"):
-        return name, lowered == "true"
-    for kind in (int, float):
-        try:
-            return name, kind(text)
-        except ValueError:
-            pass
-    return name, text
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument(
@@ -142,7 +129,7 @@ def main() -> None:
         device=default_device(),
         max_num_seqs=max(cs),
         cuda_graphs=not args.eager,
-        **dict(_field(item) for item in args.set),
+        **overrides(args.set),
     )
     t = time.perf_counter()
     engine = Engine.from_pretrained(model, config)
