@@ -127,7 +127,7 @@ def main() -> None:
         if name not in args.variants.split(","):
             continue
         batches = [int(x) for x in args.batches.split(",")]
-        cfg = EngineConfig(
+        fields = dict(
             device="cuda",
             dtype="bfloat16",
             max_num_seqs=max(64, *batches),
@@ -137,9 +137,8 @@ def main() -> None:
             + 64,
             codec_graph_max_batch=0,  # codes only: no codec graphs to capture
             enable_prefix_caching=False,
-            **extra,
-            **overrides(args.set),
         )
+        cfg = EngineConfig(**{**fields, **extra, **overrides(args.set)})  # --set wins
         engine = Engine.from_pretrained(args.ckpt, cfg)
         for r in engine.capture_reports:
             print(

@@ -125,12 +125,8 @@ def main() -> None:
     from engine import Engine, EngineConfig, default_device
 
     cs = [int(c) for c in args.concurrency.split(",")]
-    config = EngineConfig(
-        device=default_device(),
-        max_num_seqs=max(cs),
-        cuda_graphs=not args.eager,
-        **overrides(args.set),
-    )
+    fields = dict(device=default_device(), max_num_seqs=max(cs), cuda_graphs=not args.eager)
+    config = EngineConfig(**{**fields, **overrides(args.set)})  # --set wins
     t = time.perf_counter()
     engine = Engine.from_pretrained(model, config)
     print(f"engine ready in {time.perf_counter() - t:.1f} s", flush=True)

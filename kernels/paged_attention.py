@@ -235,6 +235,7 @@ def paged_decode_attention(
     _, hq, d = q.shape
     page, hkv = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
+    assert k_cache.stride() == v_cache.stride(), "K and V are addressed with the same strides"
     out = torch.empty_like(q) if out is None else out
     part_o = torch.empty(num_seqs, hq, splits, d, dtype=torch.float32, device=q.device)
     part_ml = torch.empty(num_seqs, hq, splits, 2, dtype=torch.float32, device=q.device)
@@ -309,6 +310,7 @@ def paged_attention(
     _, hq, d = q.shape
     page, hkv = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
+    assert k_cache.stride() == v_cache.stride(), "K and V are addressed with the same strides"
     if out is None:
         out = torch.empty_like(q)
     block_m = query_block_size(max_query_len, group)

@@ -111,16 +111,22 @@ def test_voice_reference_type_checked():
         VoiceReference(((1, 2, 3),), "bad width")
 
 
-def test_head_major_kv_cache_gives_the_same_rows(tiny_ckpt):
+@pytest.mark.parametrize("backend, n", [("torch", 6), ("triton", 2)])
+def test_head_major_kv_cache_gives_the_same_rows(tiny_ckpt, backend, n):
     """kv_cache_layout='hnd' (one head's page contiguous in memory) changes where K/V live,
-    not what the model computes: a mixed batch samples the same rows as with 'nhd'."""
-    reqs = _mixed_batch(6)
+    not what the model computes: a mixed batch samples the same rows as with 'nhd', through
+    the torch reference and through the Triton store and attention kernels (interpreted)."""
+    reqs = _mixed_batch(n)
     rows = {}
     for layout in ("nhd", "hnd"):
         engine = Engine.from_pretrained(
             tiny_ckpt,
             EngineConfig(
-                block_size=4, max_num_seqs=6, max_num_batched_tokens=32, kv_cache_layout=layout
+                block_size=4,
+                max_num_seqs=6,
+                max_num_batched_tokens=32,
+                kv_cache_layout=layout,
+                attention_backend=backend,
             ),
         )
         cache = engine.runner.kv_caches[0]
