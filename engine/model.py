@@ -88,39 +88,23 @@ class TritonOps:
         return add_rms_norm(x, residual, weight, eps)
 
     @staticmethod
+    def _norm_rope_args(attn, qkv, positions, rope) -> tuple:
+        weights = (attn.q_norm.weight, attn.k_norm.weight, rope.cos, rope.sin)
+        return (qkv, *weights, positions, attn.num_heads, attn.num_kv_heads, attn.q_norm.eps)
+
+    @staticmethod
     def qk_norm_rope(attn, qkv, positions, rope):
         from kernels.norm_rope import qk_norm_rope
 
-        return qk_norm_rope(
-            qkv,
-            attn.q_norm.weight,
-            attn.k_norm.weight,
-            rope.cos,
-            rope.sin,
-            positions,
-            attn.num_heads,
-            attn.num_kv_heads,
-            attn.q_norm.eps,
-        )
+        return qk_norm_rope(*TritonOps._norm_rope_args(attn, qkv, positions, rope))
 
     @staticmethod
     def qk_norm_rope_store(attn, qkv, positions, rope, kv_cache, slots):
         """q only; k and v written into `kv_cache` at `slots` by the same kernel."""
         from kernels.norm_rope import qk_norm_rope_store
 
-        return qk_norm_rope_store(
-            qkv,
-            attn.q_norm.weight,
-            attn.k_norm.weight,
-            rope.cos,
-            rope.sin,
-            positions,
-            attn.num_heads,
-            attn.num_kv_heads,
-            attn.q_norm.eps,
-            kv_cache,
-            slots,
-        )
+        args = TritonOps._norm_rope_args(attn, qkv, positions, rope)
+        return qk_norm_rope_store(*args, kv_cache, slots)
 
     @staticmethod
     def silu_mul(gate_up):

@@ -195,20 +195,8 @@ def qk_norm_rope_store(
     """`qk_norm_rope` that also writes k and v into `kv_cache` `[2, blocks, page, Hkv, D]` at
     `slots` `[T]` (rows whose slot lies in the reserved block 0 are padding: not written),
     in the same launch; returns q only. Equals `qk_norm_rope` followed by the KV store."""
-    return _launch_qk_norm_rope(
-        qkv,
-        q_weight,
-        k_weight,
-        cos,
-        sin,
-        positions,
-        num_heads,
-        num_kv_heads,
-        eps,
-        None,
-        kv_cache,
-        slots,
-    )
+    args = (qkv, q_weight, k_weight, cos, sin, positions, num_heads, num_kv_heads, eps)
+    return _launch_qk_norm_rope(*args, None, kv_cache, slots)
 
 
 @triton.jit
