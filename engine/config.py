@@ -169,6 +169,11 @@ class EngineConfig:
     # The host schedules and launches step N+1 before it reads step N's rows (one step in
     # flight); False: each step's rows are read before the next step is scheduled.
     async_scheduling: bool = True
+    # CUDA priority of the stream the backbone and sampler run on (lower is higher; torch
+    # clamps to the device's range, e.g. -5..0); None: the thread's default stream. The codec
+    # has its own default-priority stream and a step of slack, so a higher-priority backbone
+    # gets the SMs first when both have work queued. Off until measured on a GPU.
+    backbone_stream_priority: int | None = None
     # The sampler's noise as one Triton launch on CUDA (kernels/noise.py). Off until it has
     # run on a GPU against its torch definition (CPU interpreter tests only so far).
     sampler_noise_kernel: bool = False

@@ -12,6 +12,7 @@ import logging
 import os
 import time
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -112,6 +113,10 @@ class Engine:
         self.capture_reports = []
         if config.cuda_graphs and device.type == "cuda":
             self._capture_graphs(backend)
+        self._stream = None  # the backbone's stream; None: the calling thread's current one
+        if config.backbone_stream_priority is not None and device.type == "cuda":
+            torch.cuda.synchronize(device)  # weights, caches and graphs ready for any stream
+            self._stream = torch.cuda.Stream(device, priority=config.backbone_stream_priority)
         self.audio_limits = AudioLimits()
         self.audio = AudioOutput(self.codec.chunks if self.codec else None, config.stream)
         self._counters = _Counters()
@@ -219,8 +224,16 @@ class Engine:
             frames, _ = self.codec.encode_waveform(waveform, sample_rate, self.audio_limits)
         return VoiceReference(frames, text or None)
 
+    def _on_stream(self):
+        """Device work of step() and abort() goes to the backbone's stream, if it has one."""
+        return torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
+
     def abort(self, request_id: str) -> bool:
         """Stops a request and frees its KV blocks and slot; False if it is not known."""
+        with self._on_stream():
+            return self._abort(request_id)
+
+    def _abort(self, request_id: str) -> bool:
         request = self.scheduler.requests.get(request_id)
         if request is None:
             # finished, its last chunk still decoding: nothing more is reported for it
@@ -256,6 +269,10 @@ class Engine:
         it (with `async_scheduling`; otherwise of this step) and returns their events. The GPU
         runs step N while the host reads step N-1 and prepares step N+1: a request's finish is
         seen one step late, and a finishing request may compute one row that is dropped."""
+        with self._on_stream():
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         early: list[RequestOutput] = []
         if self._in_flight is not None and self.scheduler.short_of_blocks():

@@ -208,6 +208,23 @@ def test_graphed_engine_samples_the_same_rows_and_audio_as_eager(tmp_path):
 
 
 @pytest.mark.cuda
+def test_high_priority_backbone_stream_gives_the_same_rows(tiny_ckpt):
+    """The backbone on its own high-priority stream (`backbone_stream_priority`): graphs,
+    sampler and codec ordering unchanged, so the seeded rows equal the default stream's."""
+    base = dict(device="cuda", dtype="float32", max_num_seqs=8, num_kv_blocks=512)
+    texts = [f"stream priority {i}" for i in range(6)]
+    params = [SamplingParams(seed=90 + i, max_rows=20 + 2 * i) for i in range(6)]
+    rows = {}
+    for priority in (None, -5):
+        engine = Engine.from_pretrained(
+            tiny_ckpt, EngineConfig(backbone_stream_priority=priority, **base)
+        )
+        assert (engine._stream is None) == (priority is None)
+        rows[priority] = [r.rows for r in engine.generate(texts, params=params)]
+    assert rows[-5] == rows[None]
+
+
+@pytest.mark.cuda
 def test_a_warmed_decode_step_makes_no_implicit_host_sync(tiny_ckpt):
     """Inside `step()` the only wait is the designated, explicit one for the sampled rows;
     no tensor operation may synchronise implicitly (`.item()`, pageable copies, nonzero...)."""
