@@ -92,15 +92,22 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: to
     kv_cache[1, blocks, rows] = v.to(kv_cache.dtype)
 
 
-class TorchAttention:
+class _StoreThenAttend:
+    """`forward` of every backend: this step's K/V into the cache (`store`, the torch
+    reference unless a backend has its own), then `attend`."""
+
+    store = staticmethod(store_kv)
+
+    def forward(self, q, k, v, kv_cache, meta, scale):
+        self.store(k, v, kv_cache, meta.slot_mapping[: meta.num_tokens])
+        return self.attend(q, kv_cache, meta, scale)
+
+
+class TorchAttention(_StoreThenAttend):
     """Reference backend in plain torch: gathers each sequence's blocks into a padded batch
     and runs masked softmax attention in fp32. Works on any device and any batch; slow."""
 
     name = "torch"
-
-    def forward(self, q, k, v, kv_cache, meta, scale):
-        store_kv(k, v, kv_cache, meta.slot_mapping[: meta.num_tokens])
-        return self.attend(q, kv_cache, meta, scale)
 
     def attend(self, q, kv_cache, meta, scale):
         b, t = meta.num_seqs, meta.num_tokens
@@ -132,17 +139,17 @@ class TorchAttention:
         return result[:t]
 
 
-class TritonAttention:
+class TritonAttention(_StoreThenAttend):
     """Our Triton paged-attention kernel: one launch for mixed prefill and decode rows, its
     grid sized from `meta.max_query_len` (so graph capture must respect the capture bound)."""
 
     name = "triton"
 
-    def forward(self, q, k, v, kv_cache, meta, scale):
+    @staticmethod
+    def store(k, v, kv_cache, slots):
         from kernels.kv_store import store_kv_fused
 
-        store_kv_fused(k, v, kv_cache, meta.slot_mapping[: meta.num_tokens])
-        return self.attend(q, kv_cache, meta, scale)
+        store_kv_fused(k, v, kv_cache, slots)
 
     def attend(self, q, kv_cache, meta, scale):
         from kernels.paged_attention import decode_splits, paged_attention, paged_decode_attention
@@ -172,7 +179,7 @@ class TritonAttention:
         )
 
 
-class VarlenAttention:
+class VarlenAttention(_StoreThenAttend):
     """PyTorch's FlashAttention variable-length kernel (`torch.nn.attention.varlen`, CUDA,
     bf16/fp16). In torch 2.11 it takes packed K/V, not pages: every layer gathers each
     sequence's whole context from the cache into one packed tensor (extra reads and writes of
@@ -182,10 +189,6 @@ class VarlenAttention:
     lengths computed on the device."""
 
     name = "varlen"
-
-    def forward(self, q, k, v, kv_cache, meta, scale):
-        store_kv(k, v, kv_cache, meta.slot_mapping[: meta.num_tokens])
-        return self.attend(q, kv_cache, meta, scale)
 
     def attend(self, q, kv_cache, meta, scale):
         from torch.nn.attention.varlen import varlen_attn

@@ -43,15 +43,19 @@ class Snake1d(nn.Module):
         return x + (alpha + 1e-9).reciprocal() * torch.sin(alpha * x).pow(2)
 
 
+def _nhwc_copy(weight: torch.Tensor) -> torch.Tensor:
+    """A convolution weight `[O, I, K]` as `[O, I, 1, K]` in channels-last memory: a copy,
+    never an alias of the parameter."""
+    return weight.detach().unsqueeze(2).clone(memory_format=torch.channels_last)
+
+
 class Conv1d(nn.Conv1d):
     """nn.Conv1d (same parameters) that, once `channels_last` is set, takes `[B, C, 1, T]`
     NHWC activations and runs as conv2d on a channels-last copy of its weight."""
 
     def set_channels_last(self, on: bool) -> None:
-        # a copy (never an alias of weight), a non-persistent buffer: moves with .to(), not
-        # in the state dict
-        w = self.weight.detach().unsqueeze(2).clone(memory_format=torch.channels_last)
-        self.register_buffer("weight4", w if on else None, persistent=False)
+        # a non-persistent buffer: moves with .to(), not in the state dict
+        self.register_buffer("weight4", _nhwc_copy(self.weight) if on else None, persistent=False)
 
     def forward(self, x):
         weight4 = self._buffers.get("weight4")
@@ -85,10 +89,9 @@ class ConvTranspose1d(nn.ConvTranspose1d):
         )
         if on and gemm and not usable:
             raise ValueError("the GEMM form needs kernel = 2 * stride, no dilation, no groups")
-        w = self.weight.detach()
-        w4 = w.unsqueeze(2).clone(memory_format=torch.channels_last)  # a copy, never an alias
-        self.register_buffer("weight4", w4 if on else None, persistent=False)
+        self.register_buffer("weight4", _nhwc_copy(self.weight) if on else None, persistent=False)
         # [Cin, Cout, K] -> [Cin, K * Cout]: column k * Cout + co is tap k of channel co
+        w = self.weight.detach()
         wg = w.permute(0, 2, 1).reshape(w.shape[0], -1).clone()
         self.register_buffer("weight_gemm", wg if on and gemm else None, persistent=False)
 
