@@ -150,8 +150,10 @@ def _launch_qk_norm_rope(
     q = torch.empty(t, hq, d, dtype=qkv.dtype, device=qkv.device)
     store = cache is not None
     if store:
-        assert cache.stride(4) == 1 and cache.shape[3:] == (hkv, d)
-        assert slots.shape == (t,), "one cache slot per token"
+        if cache.stride(4) != 1 or tuple(cache.shape[3:]) != (hkv, d):
+            raise ValueError(f"kv_cache must be [2, blocks, page, {hkv}, {d}], D contiguous")
+        if tuple(slots.shape) != (t,):
+            raise ValueError(f"one cache slot per token: {t} tokens, slots {tuple(slots.shape)}")
         strides, page = cache.stride()[:4], cache.shape[2]
     else:
         strides, page = (0, 0, 0, 0), 1

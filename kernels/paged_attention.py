@@ -206,6 +206,15 @@ def _decode_reduce_kernel(
     tl.store(o_ptr + q_start * stride_ot + head * stride_oh + d, out.to(o_ptr.dtype.element_ty))
 
 
+def _check_same_strides(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """The kernels address V with K's strides (one offset per key for both)."""
+    if k_cache.stride() != v_cache.stride():
+        raise ValueError(
+            f"k_cache and v_cache need the same strides, got {k_cache.stride()} and "
+            f"{v_cache.stride()} (pass kv_cache[0] and kv_cache[1] of one cache)"
+        )
+
+
 def decode_splits(num_seqs: int, num_kv_heads: int, target_programs: int = 264) -> int:
     """KV splits per sequence for a decode-only launch: enough programs to fill the GPU."""
     splits = target_programs // max(1, num_seqs * num_kv_heads)
@@ -235,7 +244,7 @@ def paged_decode_attention(
     _, hq, d = q.shape
     page, hkv = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
-    assert k_cache.stride() == v_cache.stride(), "K and V are addressed with the same strides"
+    _check_same_strides(k_cache, v_cache)
     out = torch.empty_like(q) if out is None else out
     part_o = torch.empty(num_seqs, hq, splits, d, dtype=torch.float32, device=q.device)
     part_ml = torch.empty(num_seqs, hq, splits, 2, dtype=torch.float32, device=q.device)
@@ -310,7 +319,7 @@ def paged_attention(
     _, hq, d = q.shape
     page, hkv = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
-    assert k_cache.stride() == v_cache.stride(), "K and V are addressed with the same strides"
+    _check_same_strides(k_cache, v_cache)
     if out is None:
         out = torch.empty_like(q)
     block_m = query_block_size(max_query_len, group)

@@ -102,6 +102,21 @@ def test_qk_norm_rope_store(dtype, hq, hkv, d, t, blocks, page, padding, layout)
     assert not torch.equal(ours[:, 1:], cache[:, 1:])  # it really wrote
 
 
+def test_qk_norm_rope_store_refuses_mismatched_slots_and_cache():
+    attn = _Attn(4, 2, 16, torch.float32)
+    rope = RotaryEmbedding(16, 1e6, 64).to(DEVICE)
+    qkv = torch.randn(3, 8 * 16, device=DEVICE)
+    args = (attn.q_norm.weight, attn.k_norm.weight, rope.cos, rope.sin)
+    positions = torch.arange(3, device=DEVICE)
+    cache = torch.zeros(2, 4, 4, 2, 16, device=DEVICE)
+    slots = torch.tensor([4, 5, 6], device=DEVICE)
+    with pytest.raises(ValueError, match="one cache slot per token"):
+        qk_norm_rope_store(qkv, *args, positions, 4, 2, 1e-6, cache, slots[:2])
+    with pytest.raises(ValueError, match="kv_cache must be"):
+        qk_norm_rope_store(qkv, *args, positions, 4, 2, 1e-6, cache[..., :8], slots)
+    assert not cache.any()  # nothing was written
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows, inter", [(1, 64), (6, 1500)])
 def test_silu_mul(dtype, rows, inter):

@@ -171,3 +171,17 @@ def test_tuning_knobs_change_speed_not_results(block_n, k_rows):
     out = torch.full_like(q, float("nan"))
     paged_decode_attention(q, k, v, *meta, 32**-0.5, 2, out=out, block_n=block_n, k_rows=k_rows)
     assert torch.isfinite(out).all() and rel_err(out, ref) <= tol
+
+
+def test_k_and_v_with_different_strides_are_refused():
+    """Both kernels address V with K's offsets: a K/V pair from different layouts would read
+    the wrong values, so the wrappers refuse it with a message."""
+    from kernels.paged_attention import paged_decode_attention
+
+    device = "cuda" if GPU else "cpu"
+    q, k, v, meta = make_batch([1, 1], [5, 9], 4, 2, 16, 4, torch.float32, device)
+    v_head_major = v.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
+    with pytest.raises(ValueError, match="same strides"):
+        paged_attention(q, k, v_head_major, *meta, 0.25, 1)
+    with pytest.raises(ValueError, match="same strides"):
+        paged_decode_attention(q, k, v_head_major, *meta, 0.25, 2)

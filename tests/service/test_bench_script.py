@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -36,3 +38,19 @@ def test_simulated_server_runs_the_same_protocol(tmp_path, model_cache):
     pool, _ = _bench(tmp_path, model_cache, 8813, "--sim", "--step-ms 20+0 --codec-ms 1")
     assert pool["first_payloads"] == [15360]
     assert pool["ttfa_mean"] >= 15 * 20  # the simulated step time really paces the engine
+
+
+def test_benchmark_config_overrides_parse_and_refuse_bad_items():
+    """`--set FIELD=VALUE` of the benchmarks: typed values, and a clear exit otherwise."""
+    from benchmarks.overrides import overrides
+
+    assert overrides(["sampler_noise_kernel=true", "backbone_stream_priority=-5"]) == {
+        "sampler_noise_kernel": True,
+        "backbone_stream_priority": -5,
+    }
+    assert overrides(["kv_cache_layout=hnd", "kv_cache_memory_fraction=0.5"]) == {
+        "kv_cache_layout": "hnd",
+        "kv_cache_memory_fraction": 0.5,
+    }
+    with pytest.raises(SystemExit, match="FIELD=VALUE"):
+        overrides(["kv_cache_layout"])
