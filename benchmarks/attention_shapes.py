@@ -49,26 +49,39 @@ def make(q_lens, ctx_lens):
     return (q, k, v, qsl, lens, tables.int()), kv_bytes
 
 
-def _configs(decode: bool, num_seqs: int):
+def _configs(decode: bool, num_seqs: int, grid_order: bool):
     """(label, callable(args, max_q)) for every setting swept: the one-pass kernel always, the
-    split-KV decode kernel for decode-only cases (more splits for fewer sequences)."""
+    split-KV decode kernel for decode-only cases (more splits for fewer sequences); with
+    `grid_order`, both grid orders (hf=1: heads first) on a narrower tile grid."""
     out = []
-    for bn, warps, stages, k_rows in itertools.product((32, 64, 128), (4, 8), (2, 3), (0, 1)):
+    tiles = (32, 64) if grid_order else (32, 64, 128)
+    orders = (0, 1) if grid_order else (0,)
+    k_loads = (1,) if grid_order else (0, 1)
+    for bn, warps, stages, k_rows, hf in itertools.product(tiles, (4, 8), (2, 3), k_loads, orders):
         kw = dict(block_n=bn, num_warps=warps, num_stages=stages, k_rows=bool(k_rows))
+        kw["heads_first"] = bool(hf)
         out.append(
             (
-                f"one BN={bn} w={warps} s={stages} kr={k_rows}",
+                f"one BN={bn} w={warps} s={stages} kr={k_rows} hf={hf}",
                 lambda a, m, kw=kw: paged_attention(*a, 128**-0.5, m, **kw),
             )
         )
     if decode:
-        for sp, bn, warps, stages, k_rows in itertools.product(
-            (2, 4, 8) if num_seqs >= 16 else (16, 32), (32, 64), (4, 8), (2, 3), (0, 1)
+        splits = ((2, 4) if grid_order else (2, 4, 8)) if num_seqs >= 16 else (16, 32)
+        warp_counts = (4,) if grid_order else (4, 8)
+        for sp, bn, warps, stages, k_rows, hf in itertools.product(
+            splits, (32, 64), warp_counts, (2, 3), (0, 1), orders
         ):
-            kw = dict(block_n=bn, num_warps=warps, num_stages=stages, k_rows=bool(k_rows))
+            kw = dict(
+                block_n=bn,
+                num_warps=warps,
+                num_stages=stages,
+                k_rows=bool(k_rows),
+                heads_first=bool(hf),
+            )
             out.append(
                 (
-                    f"split{sp} BN={bn} w={warps} s={stages} kr={k_rows}",
+                    f"split{sp} BN={bn} w={warps} s={stages} kr={k_rows} hf={hf}",
                     lambda a, m, sp=sp, kw=kw: paged_decode_attention(*a, 128**-0.5, sp, **kw),
                 )
             )
@@ -78,14 +91,24 @@ def _configs(decode: bool, num_seqs: int):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="defaults only, no sweep")
-    quick = ap.parse_args().quick
+    ap.add_argument(
+        "--cases", default="", help="comma-separated case names, '_' for spaces (default: all)"
+    )
+    ap.add_argument(
+        "--grid-order", action="store_true", help="sweep both grid orders on fewer tiles"
+    )
+    args_ = ap.parse_args()
+    quick = args_.quick
+    wanted = [c for c in args_.cases.split(",") if c]
     rows = []
     for name, (q_lens, ctx, bound) in CASES.items():
+        if wanted and name.replace(" ", "_") not in wanted:
+            continue
         args, kv_bytes = make(q_lens, ctx)
         max_q = bound or max(q_lens)
         ref = paged_attention_reference(*args, 128**-0.5).float()
         results = []
-        for label, fn in [] if quick else _configs(max(q_lens) == 1, len(q_lens)):
+        for label, fn in [] if quick else _configs(max(q_lens) == 1, len(q_lens), args_.grid_order):
             out = fn(args, max_q)
             if float((out.float() - ref).norm() / ref.norm()) > 1e-2:
                 print(f"{name}: {label} does not match the reference; skipped")
@@ -108,6 +131,10 @@ def main() -> None:
         hnd = triton.testing.do_bench(
             lambda a=hargs, m=max_q: paged_attention(*a, 128**-0.5, m), return_mode="median"
         )
+        heads_first = triton.testing.do_bench(
+            lambda a=args, m=max_q: paged_attention(*a, 128**-0.5, m, heads_first=True),
+            return_mode="median",
+        )
         # what the one-pass kernel launched before its knobs were passed through: one page
         # (16 keys) per tile, Triton's default 4 warps and 3 stages
         old = triton.testing.do_bench(
@@ -118,12 +145,12 @@ def main() -> None:
         )
         floor_us = kv_bytes / 4.13e12 * 1e6
         best = results[0] if results else (float("nan"), "-")
-        print(f"{name}: top 5 {results[:5]}")
-        rows.append((name, old * 1e3, default * 1e3, hnd * 1e3, *best, floor_us))
-    head = ("case", "BN=16 us", "default us", "hnd us", "best us", "best config", "floor us")
-    print("\n{:<19}{:>9}{:>11}{:>8}{:>9}  {:<34}{:>9}".format(*head))
-    for name, o, d, h, b, cfg, fl in rows:
-        print(f"{name:<19}{o:>9.1f}{d:>11.1f}{h:>8.1f}{b:>9.1f}  {cfg:<34}{fl:>9.1f}")
+        print(f"{name}: top 8 {results[:8]}")
+        rows.append((name, old * 1e3, default * 1e3, hnd * 1e3, heads_first * 1e3, *best, floor_us))
+    head = ("case", "BN=16 us", "default us", "hnd us", "hf us", "best us", "best config")
+    print("\n{:<19}{:>9}{:>11}{:>8}{:>7}{:>9}  {:<39}{:>9}".format(*head, "floor us"))
+    for name, o, d, h, hf, b, cfg, fl in rows:
+        print(f"{name:<19}{o:>9.1f}{d:>11.1f}{h:>8.1f}{hf:>7.1f}{b:>9.1f}  {cfg:<39}{fl:>9.1f}")
 
 
 if __name__ == "__main__":

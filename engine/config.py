@@ -174,9 +174,9 @@ class EngineConfig:
     # has its own default-priority stream and a step of slack, so a higher-priority backbone
     # gets the SMs first when both have work queued. Off until measured on a GPU.
     backbone_stream_priority: int | None = None
-    # The sampler's noise as one Triton launch on CUDA (kernels/noise.py). Off until it has
-    # run on a GPU against its torch definition (CPU interpreter tests only so far).
-    sampler_noise_kernel: bool = False
+    # The sampler's noise as one Triton launch on CUDA (kernels/noise.py; the same numbers as
+    # its torch definition, tested on the H200). False: the torch hash (several launches).
+    sampler_noise_kernel: bool = True
     codec_dtype: str = "float32"
     # Codec activations in NHWC memory on CUDA (no layout conversions around each cuDNN
     # convolution); False: [B, C, T] as the checkpoint's own model runs.

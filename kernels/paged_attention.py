@@ -34,6 +34,17 @@ def _load_k(k_ptr, offs, d, n_ok, K_ROWS: tl.constexpr):
 
 
 @triton.jit
+def _program_ids(HEADS_FIRST: tl.constexpr):
+    """(sequence, inner index, KV head) of this program. With HEADS_FIRST the grid is
+    (KV heads, inner, sequences): the programs of one sequence's heads are launched next to
+    each other and read the same token rows of the cache (the heads of a token are adjacent
+    in the default layout) at about the same time."""
+    if HEADS_FIRST:
+        return tl.program_id(2), tl.program_id(1), tl.program_id(0)
+    return tl.program_id(0), tl.program_id(1), tl.program_id(2)
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr,
     k_ptr,
@@ -57,10 +68,9 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     K_ROWS: tl.constexpr,
+    HEADS_FIRST: tl.constexpr,
 ):
-    seq = tl.program_id(0)
-    mblock = tl.program_id(1)
-    kv_head = tl.program_id(2)
+    seq, mblock, kv_head = _program_ids(HEADS_FIRST)
     q_start = tl.load(qsl_ptr + seq)
     q_len = tl.load(qsl_ptr + seq + 1) - q_start
     if mblock * BLOCK_M >= q_len:
@@ -132,11 +142,10 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     SPLITS: tl.constexpr,
     K_ROWS: tl.constexpr,
+    HEADS_FIRST: tl.constexpr,
 ):
     # Decode rows only (one query token per sequence): KV range split over SPLITS programs.
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
+    seq, split, kv_head = _program_ids(HEADS_FIRST)
     q_start = tl.load(qsl_ptr + seq)
     if tl.load(qsl_ptr + seq + 1) == q_start:
         return  # a padding sequence
@@ -171,7 +180,8 @@ def _decode_split_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     # partials: [num_seqs, Hq, SPLITS, D] (unnormalised) and [num_seqs, Hq, SPLITS, 2] (m, l)
-    base = (seq * (tl.num_programs(1) * G) + head) * SPLITS + split
+    hq = (tl.num_programs(0) if HEADS_FIRST else tl.num_programs(2)) * G
+    base = (seq * hq + head) * SPLITS + split
     tl.store(part_o_ptr + base[:, None] * D + d[None, :], acc, mask=row_ok[:, None])
     tl.store(part_ml_ptr + base * 2, m_i, mask=row_ok)
     tl.store(part_ml_ptr + base * 2 + 1, l_i, mask=row_ok)
@@ -235,11 +245,13 @@ def paged_decode_attention(
     num_warps: int = 4,
     num_stages: int = 2,
     k_rows: bool = False,
+    heads_first: bool = False,
 ):
     """Decode rows only (every sequence has 0 or 1 query token), split-KV: `splits` programs
     per (sequence, KV head) each take a slice of the context; a second launch combines them.
     The launch depends on the number of sequences, never on their lengths. block_n /
-    num_warps / num_stages / k_rows are tuning knobs (benchmarks/attention_shapes.py)."""
+    num_warps / num_stages / k_rows / heads_first (grid order) are tuning knobs
+    (benchmarks/attention_shapes.py)."""
     num_seqs = seq_lens.shape[0]
     _, hq, d = q.shape
     page, hkv = k_cache.shape[1], k_cache.shape[2]
@@ -248,7 +260,8 @@ def paged_decode_attention(
     out = torch.empty_like(q) if out is None else out
     part_o = torch.empty(num_seqs, hq, splits, d, dtype=torch.float32, device=q.device)
     part_ml = torch.empty(num_seqs, hq, splits, 2, dtype=torch.float32, device=q.device)
-    _decode_split_kernel[(num_seqs, hkv, splits)](
+    grid = (hkv, splits, num_seqs) if heads_first else (num_seqs, splits, hkv)
+    _decode_split_kernel[grid](
         q,
         k_cache,
         v_cache,
@@ -271,6 +284,7 @@ def paged_decode_attention(
         BLOCK_N=max(block_n, page),
         SPLITS=splits,
         K_ROWS=k_rows,
+        HEADS_FIRST=heads_first,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -309,9 +323,10 @@ def paged_attention(
     num_warps: int = 4,
     num_stages: int = 3,
     k_rows: bool = True,
+    heads_first: bool = False,
 ) -> torch.Tensor:
     """Attention of every query row over its sequence's paged K/V; returns `[T, Hq, D]`.
-    block_n / num_warps / num_stages / k_rows are tuning knobs
+    block_n / num_warps / num_stages / k_rows / heads_first (grid order) are tuning knobs
     (benchmarks/attention_shapes.py); block_n is rounded up to a whole page. A mixed batch is
     one launch: decode rows take a tall tile too (splitting them into a second launch of
     small tiles was slower on the H200; docs/PERFORMANCE.md)."""
@@ -323,7 +338,8 @@ def paged_attention(
     if out is None:
         out = torch.empty_like(q)
     block_m = query_block_size(max_query_len, group)
-    grid = (num_seqs, triton.cdiv(max(max_query_len, 1), block_m), hkv)
+    mblocks = triton.cdiv(max(max_query_len, 1), block_m)
+    grid = (hkv, mblocks, num_seqs) if heads_first else (num_seqs, mblocks, hkv)
     _paged_attention_kernel[grid](
         q,
         k_cache,
@@ -347,6 +363,7 @@ def paged_attention(
         BLOCK_M=block_m,
         BLOCK_N=max(16, page, block_n),
         K_ROWS=k_rows,
+        HEADS_FIRST=heads_first,
         num_warps=num_warps,
         num_stages=num_stages,
     )

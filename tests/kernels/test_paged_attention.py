@@ -151,10 +151,14 @@ def test_split_kv_higgs_shape_bf16(q_lens_ctx):
     assert rel_err(out, ref) <= 1e-2
 
 
-@pytest.mark.parametrize("block_n, k_rows", [(16, False), (64, False), (32, True), (64, True)])
-def test_tuning_knobs_change_speed_not_results(block_n, k_rows):
-    """Tiles wider than a page (several pages per tile, partly masked at the end) and K loaded
-    row-major then transposed give the reference result, on both kernels."""
+@pytest.mark.parametrize(
+    "block_n, k_rows, heads_first",
+    [(16, 0, 0), (64, 0, 0), (32, 1, 0), (64, 1, 1), (16, 0, 1)],
+)
+def test_tuning_knobs_change_speed_not_results(block_n, k_rows, heads_first):
+    """Tiles wider than a page (several pages per tile, partly masked at the end), K loaded
+    row-major then transposed, and the heads-first grid order give the reference result, on
+    both kernels."""
     from kernels.paged_attention import paged_decode_attention
 
     device = "cuda" if GPU else "cpu"
@@ -163,13 +167,14 @@ def test_tuning_knobs_change_speed_not_results(block_n, k_rows):
     q, k, v, meta = make_batch(q_lens, ctx_lens, 8, 2, 32, 16, torch.float32, device, seed=3)
     ref = paged_attention_reference(q, k, v, *meta, 32**-0.5)
     out = torch.full_like(q, float("nan"))
-    paged_attention(q, k, v, *meta, 32**-0.5, max(q_lens), out=out, block_n=block_n, k_rows=k_rows)
+    knobs = dict(block_n=block_n, k_rows=bool(k_rows), heads_first=bool(heads_first))
+    paged_attention(q, k, v, *meta, 32**-0.5, max(q_lens), out=out, **knobs)
     assert torch.isfinite(out).all() and rel_err(out, ref) <= tol
     dq_lens, dctx = [1, 1, 0, 1], [40, 130, 0, 1]
     q, k, v, meta = make_batch(dq_lens, dctx, 8, 2, 32, 16, torch.float32, device, seed=4)
     ref = paged_attention_reference(q, k, v, *meta, 32**-0.5)
     out = torch.full_like(q, float("nan"))
-    paged_decode_attention(q, k, v, *meta, 32**-0.5, 2, out=out, block_n=block_n, k_rows=k_rows)
+    paged_decode_attention(q, k, v, *meta, 32**-0.5, 2, out=out, **knobs)
     assert torch.isfinite(out).all() and rel_err(out, ref) <= tol
 
 
