@@ -206,19 +206,22 @@ def client_gap(records: list[Record]) -> float:
 
 
 class RunningSampler:
-    """Samples the server's running and waiting request gauges every 0.1 s in a thread;
-    `stop(start, end)` averages the samples taken in that window."""
+    """Samples the server's running and waiting request gauges and its step and row counters
+    every 0.1 s in a thread; `stop(start, end)` averages the gauges over the samples taken in
+    that window; `rows_per_step()` is the rows sampled per step between its first and last
+    sample (the saturated window's own figure, unlike the whole load's)."""
 
     def __init__(self, port: int):
         import threading
 
-        self.port, self.values, self.waiting = port, [], []
+        self.port, self.values, self.waiting, self.counters = port, [], [], []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         url = f"http://127.0.0.1:{self.port}/metrics"
+        steps = rows = 0.0
         while not self._stop.wait(0.1):
             text = urllib.request.urlopen(url).read().decode()
             now = time.perf_counter()
@@ -227,6 +230,11 @@ class RunningSampler:
                     self.values.append((now, float(line.split()[-1])))
                 if line.startswith("clonecast_num_requests_waiting "):
                     self.waiting.append((now, float(line.split()[-1])))
+                if line.startswith("clonecast_engine_step_seconds_count "):
+                    steps = float(line.split()[-1])
+                if line.startswith("clonecast_engine_rows_total "):
+                    rows = float(line.split()[-1])
+            self.counters.append((now, steps, rows))
 
     def stop(self, start: float, end: float) -> tuple[float, float]:
         self._stop.set()
@@ -236,6 +244,12 @@ class RunningSampler:
             inside = [v for t, v in samples if start <= t <= end]
             return statistics.fmean(inside) if inside else 0.0
 
+        inside = [(n, r) for t, n, r in self.counters if start <= t <= end]
+        self.window_rows = (
+            (inside[-1][1] - inside[0][1]) / max(1.0, inside[-1][0] - inside[0][0])
+            if len(inside) >= 2
+            else 0.0
+        )
         return mean(self.values), mean(self.waiting)
 
 
@@ -328,6 +342,7 @@ def bench_server(args, eager: bool, out: Path) -> dict:
                     run_load(url, voice, c, warmup, timed, seed=1000 * c + s)
                 )
                 running, waiting = sampler.stop(min(r.sent for r in recs), end)
+                window_rows = sampler.window_rows
                 s1, n1, rows1 = step_stats(port)
                 load_s = time.perf_counter() - t0
                 window = saturated(recs, every, end)
@@ -336,10 +351,11 @@ def bench_server(args, eager: bool, out: Path) -> dict:
                 summary["mean_running"], summary["mean_waiting"] = running, waiting
                 steps = max(1, n1 - n0)
                 summary["rows_per_step"] = (rows1 - rows0) / steps
+                summary["window_rows_per_step"] = window_rows
                 summary["loop_ms"] = load_s / steps * 1e3  # wall per step, idle included
                 print(
                     f"C={c} start {s + 1}: saturated window: mean running {running:.1f}, "
-                    f"waiting {waiting:.1f}, "
+                    f"waiting {waiting:.1f}, {window_rows:.1f} rows a step, "
                     f"client gap "
                     f"{summary['client_gap_ms']:.1f} ms, saturated window {window[1]:.1f} s; "
                     f"whole load: {summary['rows_per_step']:.1f} rows a step, "

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -264,15 +264,22 @@ class Engine:
 
     # -- the step ----------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(
+        self, emit: Callable[[list[RequestOutput]], None] | None = None
+    ) -> list[RequestOutput]:
         """Schedules and launches one step, then reads the rows of the step launched before
         it (with `async_scheduling`; otherwise of this step) and returns their events. The GPU
         runs step N while the host reads step N-1 and prepares step N+1: a request's finish is
-        seen one step late, and a finishing request may compute one row that is dropped."""
-        with self._on_stream():
-            return self._step()
+        seen one step late, and a finishing request may compute one row that is dropped.
 
-    def _step(self) -> list[RequestOutput]:
+        `emit`, if given, is called with the audio decoded since the last step as soon as it
+        is read back (after this step's launch, before waiting for the rows of the step on
+        the GPU): those events leave up to one step earlier and are not in the returned list.
+        Events keep their order either way."""
+        with self._on_stream():
+            return self._step(emit)
+
+    def _step(self, emit=None) -> list[RequestOutput]:
         t0 = time.perf_counter()
         early: list[RequestOutput] = []
         if self._in_flight is not None and self.scheduler.short_of_blocks():
@@ -301,6 +308,9 @@ class Engine:
         # Audio submitted by earlier steps has run beside the GPU work since: read it now,
         # then this step's rows (which submit the windows they complete).
         outputs = early + self.audio.collect(self._finish)
+        if emit is not None and outputs:
+            emit(outputs)
+            outputs = []
         if pending is not None:
             outputs += self._read(pending)
         if self._in_flight is None and launched is None:

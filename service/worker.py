@@ -86,26 +86,29 @@ class EngineWorker:
                 continue
             t0 = time.perf_counter()
             try:
-                outputs = self.engine.step()
+                # audio read back early in the step goes out at once (emit), the rest after it
+                self._deliver(self.engine.step(emit=self._deliver))
             except Exception as exc:  # a bug: fail what is running, keep serving
                 log.exception("engine step failed")
                 self._fail_all(exc)
                 continue
-            for out in outputs:
-                if out.audio is None and not out.finished:
-                    continue
-                sink = self._sinks.get(out.request_id)
-                if out.finished:
-                    self._sinks.pop(out.request_id, None)
-                if sink is not None:
-                    try:
-                        sink(out)
-                    except Exception:
-                        log.exception("delivering an output failed")
             stats = self.engine.stats
             self.num_waiting, self.num_running = stats.num_waiting, stats.num_running
             if self._on_step is not None:
                 self._on_step(time.perf_counter() - t0, stats)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            if out.audio is None and not out.finished:
+                continue
+            sink = self._sinks.get(out.request_id)
+            if out.finished:
+                self._sinks.pop(out.request_id, None)
+            if sink is not None:
+                try:
+                    sink(out)
+                except Exception:
+                    log.exception("delivering an output failed")
 
     def _drain(self, block: bool) -> None:
         try:

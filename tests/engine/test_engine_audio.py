@@ -55,6 +55,45 @@ def test_chunks_stream_with_exact_sizes_and_timestamps(engine):
     assert events[-1].finished and events[-1].audio is chunks[-1]
 
 
+def test_emit_hands_out_audio_before_the_rows_in_the_same_order(engine):
+    """`step(emit=...)`: the audio read back at the start of a step leaves through `emit`
+    (before the step waits for the GPU's rows); emitted + returned events are the events of
+    a plain `step()`, in the same order, for two requests with the same seeds."""
+
+    def run(use_emit: bool):
+        engine.add_request("e1", "Emit early.", params=SamplingParams(seed=11, max_rows=40))
+        engine.add_request("e2", "And me.", params=SamplingParams(seed=12, max_rows=52))
+        events, emitted_calls, returned = [], [], []
+
+        def emit(outputs):
+            emitted_calls.append(list(outputs))
+            events.extend(outputs)
+
+        while engine.has_unfinished():
+            returned.append(engine.step(emit=emit) if use_emit else engine.step())
+            events.extend(returned[-1])
+        return events, emitted_calls, returned
+
+    plain, _, _ = run(False)
+    early, calls, returned = run(True)
+    key = lambda e: (  # noqa: E731
+        e.request_id,
+        tuple(e.new_rows),
+        e.finished,
+        e.audio.index if e.audio else None,
+        e.audio.pcm if e.audio else None,
+    )
+    assert [key(e) for e in early] == [key(e) for e in plain]
+    chunks = sum(e.audio is not None for e in plain)
+    assert chunks >= 4
+    # emit never carries a row; every chunk goes out through it except those read once the
+    # GPU has nothing left to run (the last step reads them before it returns)
+    assert all(not e.new_rows for c in calls for e in c)
+    assert not any(e.audio is not None for r in returned[:-1] for e in r)
+    late = sum(e.audio is not None for e in returned[-1])
+    assert sum(e.audio is not None for c in calls for e in c) == chunks - late >= 3
+
+
 def _until_last_row(engine, rid: str, busy: str, max_rows: int, seed: int) -> list:
     """Adds `rid` (capped at `max_rows`) beside a longer request `busy` that keeps the GPU
     working, and steps until `rid`'s last row is out; returns `rid`'s events so far. Its last
