@@ -79,12 +79,6 @@ def main() -> None:
             False,
             False,
         ),
-        # and the transposed convolutions as GEMM + overlap-add
-        "fp32+tf32 snake nhwc gemm": (
-            build_decoder(cfg, state, cuda, torch.float32, True, True, True),
-            True,
-            False,
-        ),
     }
     if args.variants:
         wanted = args.variants.replace("_", " ").split(",")

@@ -8,7 +8,7 @@
 #   PYTEST_ARGS  tests to run (default: the whole suite; "" skips them)
 #   LOOP=1       the engine alone under the served load, async vs sync (LOOP_C: concurrencies)
 #   LOOP_AB      the same load per EngineConfig override set, e.g.
-#                "sampler_noise_kernel=true codec_transpose_gemm=true+sampler_noise_kernel=true"
+#                "sampler_noise_kernel=true kv_cache_layout=hnd+sampler_noise_kernel=false"
 #   SERVE=1      a reduced served run (SERVE_C: concurrencies, SERVE_N: timed requests)
 #   PROTOCOL=1   the full served protocol of performance.md (C = 1..256, 3 fresh starts)
 #   HOST=1       host work per engine step at C = 64 and 128 (benchmarks/host_cost.py)

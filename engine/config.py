@@ -172,7 +172,8 @@ class EngineConfig:
     # CUDA priority of the stream the backbone and sampler run on (lower is higher; torch
     # clamps to the device's range, e.g. -5..0); None: the thread's default stream. The codec
     # has its own default-priority stream and a step of slack, so a higher-priority backbone
-    # gets the SMs first when both have work queued. Off until measured on a GPU.
+    # gets the SMs first when both have work queued. Measured on the H200 at -5: no faster
+    # (docs/PERFORMANCE.md).
     backbone_stream_priority: int | None = None
     # The sampler's noise as one Triton launch on CUDA (kernels/noise.py; the same numbers as
     # its torch definition, tested on the H200). False: the torch hash (several launches).
@@ -181,9 +182,6 @@ class EngineConfig:
     # Codec activations in NHWC memory on CUDA (no layout conversions around each cuDNN
     # convolution); False: [B, C, T] as the checkpoint's own model runs.
     codec_channels_last: bool = True
-    # With channels-last on CUDA: the transposed convolutions as one GEMM + overlap-add each
-    # instead of cuDNN's (which took a slow fp32 path on the H200). Off until measured there.
-    codec_transpose_gemm: bool = False
     # Codec windows decoded together replay CUDA graphs (one per batch size and window shape,
     # captured before any request) up to this batch; larger batches are decoded in slices of
     # it. None: min(max_num_seqs, 64) (a step rarely completes more windows; each batch size
@@ -222,8 +220,6 @@ class EngineConfig:
             raise ConfigError("codec_graph_max_batch must be >= 0 (0: no codec graphs)")
         if self.kv_cache_layout not in ("nhd", "hnd"):
             raise ConfigError(f"kv_cache_layout must be nhd or hnd, got {self.kv_cache_layout!r}")
-        if self.codec_transpose_gemm and not self.codec_channels_last:
-            raise ConfigError("codec_transpose_gemm needs codec_channels_last")
 
     @property
     def max_blocks_per_seq(self) -> int:

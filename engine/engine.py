@@ -457,7 +457,6 @@ def _load_codec(path: Path, config: EngineConfig, device: torch.device, required
             config.voice_cache_bytes,
             cuda and config.fused_kernels,
             cuda and config.codec_channels_last,
-            cuda and config.codec_transpose_gemm,  # the config requires channels-last with it
         )
     except ConfigError as exc:
         if required:

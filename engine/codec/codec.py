@@ -26,12 +26,9 @@ class Codec:
         voice_cache_bytes: int,
         fused: bool = False,
         channels_last: bool = False,
-        transpose_gemm: bool = False,
     ):
         self.config = cfg
-        self.decoder = build_decoder(
-            cfg, state, device, dtype, fused, channels_last, transpose_gemm
-        )
+        self.decoder = build_decoder(cfg, state, device, dtype, fused, channels_last)
         self.chunks = ChunkDecoder(self.decoder)
         self.encoder = ReferenceEncoder(cfg, state, device)
         self.voices = VoiceCache(voice_cache_bytes)
@@ -45,15 +42,11 @@ class Codec:
         voice_cache_bytes: int,
         fused: bool = False,
         channels_last: bool = False,
-        transpose_gemm: bool = False,
     ) -> Codec:
         """`fused`: Triton Snake activations in the decoder (CUDA only); `channels_last`: its
-        activations in NHWC memory; `transpose_gemm`: its transposed convolutions as GEMM +
-        overlap-add (with `channels_last`)."""
+        activations in NHWC memory."""
         cfg, state = load_codec_state(path)
-        return cls(
-            cfg, state, device, dtype, voice_cache_bytes, fused, channels_last, transpose_gemm
-        )
+        return cls(cfg, state, device, dtype, voice_cache_bytes, fused, channels_last)
 
     @torch.inference_mode()
     def decode(self, codes: torch.Tensor) -> torch.Tensor:

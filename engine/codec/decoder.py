@@ -73,34 +73,17 @@ class Conv1d(nn.Conv1d):
 
 
 class ConvTranspose1d(nn.ConvTranspose1d):
-    """nn.ConvTranspose1d with the same channels-last mode as `Conv1d`; in that mode,
-    optionally (`gemm`) one matrix product and an overlap-add instead of cuDNN's transposed
-    convolution, which took a slow fp32 path on the H200.
+    """nn.ConvTranspose1d with the same channels-last mode as `Conv1d`. (Running it as one
+    GEMM + overlap-add instead was measured on the H200 and was slower at 64 windows; removed,
+    docs/PERFORMANCE.md.)"""
 
-    The GEMM form, for a kernel of two strides (`K = 2s`, as in the codec): with NHWC memory
-    `x [B, T, Cin]`, `z = x @ W [Cin, K * Cout]` gives each input frame's `K` output taps;
-    taps `0..s-1` of frame t land at `t*s + k` and taps `s..2s-1` at `(t+1)*s + k - s`, so
-    the full output `[B, (T+1)*s, Cout]` is the first half of z plus the second half moved one
-    frame on; cropping `padding` at the front gives the module's output."""
-
-    def set_channels_last(self, on: bool, gemm: bool = False) -> None:
-        usable = (
-            self.kernel_size[0] == 2 * self.stride[0] and self.dilation[0] == 1 and self.groups == 1
-        )
-        if on and gemm and not usable:
-            raise ValueError("the GEMM form needs kernel = 2 * stride, no dilation, no groups")
+    def set_channels_last(self, on: bool) -> None:
         self.register_buffer("weight4", _nhwc_copy(self.weight) if on else None, persistent=False)
-        # [Cin, Cout, K] -> [Cin, K * Cout]: column k * Cout + co is tap k of channel co
-        w = self.weight.detach()
-        wg = w.permute(0, 2, 1).reshape(w.shape[0], -1).clone()
-        self.register_buffer("weight_gemm", wg if on and gemm else None, persistent=False)
 
     def forward(self, x):
         weight4 = self._buffers.get("weight4")
         if weight4 is None:
             return super().forward(x)
-        if self._buffers.get("weight_gemm") is not None:
-            return self._forward_gemm(x)
         return F.conv_transpose2d(
             x,
             weight4,
@@ -111,22 +94,6 @@ class ConvTranspose1d(nn.ConvTranspose1d):
             self.groups,
             (1, self.dilation[0]),
         )
-
-    def _forward_gemm(self, x):
-        b, _, _, t = x.shape  # [B, Cin, 1, T], NHWC memory
-        s, cout = self.stride[0], self.out_channels
-        weight = self._buffers["weight_gemm"]
-        taps = (x.permute(0, 2, 3, 1).reshape(b * t, -1) @ weight).view(b, t, 2, s, cout)
-        full = x.new_zeros(b, t + 1, s, cout)
-        full[:, :t] += taps[:, :, 0]
-        full[:, 1:] += taps[:, :, 1]
-        pad = self.padding[0]
-        length = (t + 1) * s - 2 * pad + self.output_padding[0]
-        out = full.view(b, (t + 1) * s, cout)[:, pad : pad + length]
-        if self.bias is not None:
-            out = out + self.bias  # also makes it contiguous
-        # [B, L, Cout] memory is the NHWC layout of [B, Cout, 1, L]
-        return out.contiguous().view(b, 1, length, cout).permute(0, 3, 1, 2)
 
 
 class ResidualUnit(nn.Module):
@@ -202,16 +169,13 @@ class CodecDecoder(nn.Module):
                 module.fused = on
         return self
 
-    def use_channels_last(self, on: bool, transpose_gemm: bool = False) -> CodecDecoder:
+    def use_channels_last(self, on: bool) -> CodecDecoder:
         """Keep activations in NHWC memory and run every convolution as its 2-D twin (see
-        the module docstring); `transpose_gemm` runs the transposed convolutions as one GEMM
-        and an overlap-add each (`ConvTranspose1d`). Call again after the weights change."""
+        the module docstring). Call again after the weights change."""
         self.channels_last = on
         for module in self.modules():
-            if isinstance(module, Conv1d):
+            if isinstance(module, (Conv1d, ConvTranspose1d)):
                 module.set_channels_last(on)
-            elif isinstance(module, ConvTranspose1d):
-                module.set_channels_last(on, transpose_gemm)
         return self
 
     def forward(self, codes: torch.Tensor) -> torch.Tensor:

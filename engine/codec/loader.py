@@ -77,11 +77,9 @@ def build_decoder(
     dtype: torch.dtype,
     fused: bool = False,
     channels_last: bool = False,
-    transpose_gemm: bool = False,
 ) -> CodecDecoder:
     """The decoder with these weights; `fused` runs its Snake activations as one Triton kernel
-    each (CUDA only); `channels_last` keeps its activations in NHWC memory, and
-    `transpose_gemm` (with it) runs its transposed convolutions as GEMM + overlap-add."""
+    each (CUDA only); `channels_last` keeps its activations in NHWC memory."""
     state = fold_weight_norm(state)
     with torch.device(device):
         decoder = CodecDecoder(cfg)
@@ -109,7 +107,7 @@ def build_decoder(
         if name.startswith(("fc2.", "acoustic_decoder.")):
             put(name, name)
     decoder.to(dtype).eval().requires_grad_(False)
-    return decoder.use_fused_kernels(fused).use_channels_last(channels_last, transpose_gemm)
+    return decoder.use_fused_kernels(fused).use_channels_last(channels_last)
 
 
 _WEIGHT_NORM_SUFFIXES = (

@@ -42,15 +42,13 @@ def test_decoder_matches_transformers_decode(codec_dir):
         assert _rel(got, expected) <= 1e-5
 
 
-@pytest.mark.parametrize("gemm", [False, True], ids=["cudnn-transpose", "gemm-transpose"])
 @pytest.mark.parametrize("fused", [False, True], ids=["torch-snake", "triton-snake"])
-def test_channels_last_decoder_equals_the_default_layout(codec_dir, fused, gemm):
-    """NHWC activations and 2-D convolutions on converted weights (and, with `gemm`, the
-    transposed convolutions as GEMM + overlap-add) compute the same audio (fp32, to
-    rounding); switching back restores the default path."""
+def test_channels_last_decoder_equals_the_default_layout(codec_dir, fused):
+    """NHWC activations and 2-D convolutions on converted weights compute the same audio
+    (fp32, to rounding); switching back restores the default path."""
     cfg, state = load_codec_state(codec_dir)
     plain = build_decoder(cfg, state, CPU, torch.float32, fused)
-    nhwc = build_decoder(cfg, state, CPU, torch.float32, fused, True, gemm)
+    nhwc = build_decoder(cfg, state, CPU, torch.float32, fused, True)
     for b, t in [(1, 8), (3, 33), (2, 1)]:
         codes = torch.randint(0, 1024, (b, 8, t), generator=torch.Generator().manual_seed(b + t))
         with torch.no_grad():
@@ -60,35 +58,6 @@ def test_channels_last_decoder_equals_the_default_layout(codec_dir, fused, gemm)
     nhwc.use_channels_last(False)
     with torch.no_grad():
         assert torch.equal(nhwc(codes), plain(codes))
-
-
-@pytest.mark.parametrize("stride", [8, 5, 4, 2, 3])  # the codec's upsampling ratios
-@pytest.mark.parametrize("b, t", [(1, 1), (3, 7), (2, 33)])
-def test_transposed_convolution_as_gemm(stride, b, t):
-    """GEMM + overlap-add equals nn.ConvTranspose1d (kernel 2s, padding ceil(s/2),
-    output_padding s % 2) for every stride of the codec; the output keeps NHWC memory."""
-    import math
-
-    from engine.codec.decoder import ConvTranspose1d
-
-    torch.manual_seed(stride * 100 + t)
-    conv = ConvTranspose1d(
-        6, 4, 2 * stride, stride=stride, padding=math.ceil(stride / 2), output_padding=stride % 2
-    )
-    x = torch.randn(b, 6, t)
-    with torch.no_grad():
-        ref = conv(x)
-        conv.set_channels_last(True, gemm=True)
-        got = conv(x.unsqueeze(2).contiguous(memory_format=torch.channels_last))
-    assert got.is_contiguous(memory_format=torch.channels_last)
-    torch.testing.assert_close(got.squeeze(2), ref, rtol=1e-5, atol=1e-6)
-
-
-def test_transposed_convolution_gemm_needs_two_strides_kernel():
-    from engine.codec.decoder import ConvTranspose1d
-
-    with pytest.raises(ValueError, match="kernel = 2"):
-        ConvTranspose1d(4, 4, 5, stride=2).set_channels_last(True, gemm=True)
 
 
 def test_bundled_codec_loads_like_the_standalone_one(codec_dir, tmp_path):
@@ -184,7 +153,7 @@ def test_channels_last_weights_follow_the_module(codec_dir):
     keeps the checkpoint's keys, and they are copies taken when the mode is set."""
     cfg, state = load_codec_state(codec_dir)
     plain = build_decoder(cfg, state, CPU, torch.float32)
-    nhwc = build_decoder(cfg, state, CPU, torch.float32, False, True, True)
+    nhwc = build_decoder(cfg, state, CPU, torch.float32, False, True)
     assert set(nhwc.state_dict()) == set(plain.state_dict())
     codes = torch.randint(0, 1024, (2, 8, 5), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

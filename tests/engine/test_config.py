@@ -161,7 +161,6 @@ def test_engine_config_good_dtype(dtype):
         {"kv_cache_memory_fraction": 0.0},
         {"kv_cache_memory_fraction": 1.0},
         {"codec_graph_max_batch": -1},
-        {"codec_transpose_gemm": True, "codec_channels_last": False},
         {"kv_cache_layout": "nchw"},
     ],
 )
