@@ -47,6 +47,11 @@ def graphed(fn, codes):
     return graph.replay
 
 
+def _unfolded(decoder):
+    decoder.acoustic_decoder.fold = False
+    return decoder
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="1x8,1x33,4x33,64x8,64x33")
@@ -77,6 +82,13 @@ def main() -> None:
         "bf16 snake nhwc": (
             build_decoder(cfg, state, cuda, torch.bfloat16, True, True),
             False,
+            False,
+        ),
+        # as before the folding: cuDNN adds each bias, torch the residuals (the default folds
+        # them into the Snake passes)
+        "fp32+tf32 snake nhwc unfolded": (
+            _unfolded(build_decoder(cfg, state, cuda, torch.float32, True, True)),
+            True,
             False,
         ),
     }

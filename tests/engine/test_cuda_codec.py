@@ -19,6 +19,12 @@ def full_codec(tmp_path_factory):
     cfg, state = load_codec_state(
         write_codec_dir(tmp_path_factory.mktemp("codec"), STANDARD_CODEC_CONFIG, 9)
     )
+    # nonzero convolution biases (the random codec's are zero): a dropped or doubled bias in
+    # the folded channels-last path must show
+    gen = torch.Generator().manual_seed(10)
+    for key, value in state.items():
+        if key.startswith("acoustic_decoder.") and key.endswith(".bias"):
+            state[key] = torch.randn(value.shape, generator=gen) * 0.1
     return cfg, state, build_reference_model(cfg, state, CUDA)
 
 

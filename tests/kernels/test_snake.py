@@ -40,6 +40,39 @@ def test_snake_channels_last_matches_reference(b, c, t):
     torch.testing.assert_close(out.squeeze(2), snake_reference(x, alpha), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("nhwc", [False, True], ids=["nct", "nhwc"])
+@pytest.mark.parametrize("with_bias, with_res", [(1, 0), (0, 1), (1, 1)])
+def test_snake_adds_bias_and_residual_first(nhwc, with_bias, with_res):
+    """snake(x + bias + residual) in one pass, and with `return_sum` the sum itself: exactly
+    torch's two adds in fp32, in both layouts."""
+    x, alpha = _case(2, 5, 37, torch.float32, seed=11)
+    g = torch.Generator().manual_seed(12)
+    bias = torch.randn(5, generator=g).to(DEVICE) if with_bias else None
+    res = (torch.randn(2, 5, 37, generator=g) * 2).to(DEVICE) if with_res else None
+    if nhwc:
+        x = x.unsqueeze(2).contiguous(memory_format=torch.channels_last)
+        if res is not None:
+            res = res.unsqueeze(2).contiguous(memory_format=torch.channels_last)
+    total, out = snake(x, alpha, block=64, bias=bias, residual=res, return_sum=True)
+    expect_sum = x + (bias.reshape(1, -1, *[1] * (x.dim() - 2)) if with_bias else 0)
+    expect_sum = (res + expect_sum) if with_res else expect_sum
+    assert torch.equal(total, expect_sum)
+    assert total.stride() == out.stride() == x.stride()
+    ref = snake_reference(x, alpha, bias, res)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, snake_reference(expect_sum, alpha), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(snake(x, alpha, block=64, bias=bias, residual=res), out)
+
+
+def test_snake_rejects_a_residual_of_another_layout_and_wrong_bias():
+    x, alpha = _case(1, 4, 8, torch.float32)
+    x4 = x.unsqueeze(2).contiguous(memory_format=torch.channels_last)
+    with pytest.raises(ValueError, match="residual"):
+        snake(x4, alpha, residual=x.unsqueeze(2))  # same shape, NCHW memory
+    with pytest.raises(ValueError, match="biases"):
+        snake(x, alpha, bias=torch.zeros(3, device=DEVICE))
+
+
 def test_snake_uses_each_channels_alpha():
     """Channels are told apart: swapping two alphas swaps exactly those channels' outputs."""
     x, alpha = _case(2, 3, 9, torch.float32)
