@@ -221,7 +221,7 @@ class RunningSampler:
 
     def _run(self) -> None:
         url = f"http://127.0.0.1:{self.port}/metrics"
-        steps = rows = 0.0
+        steps = rows = inside = 0.0
         while not self._stop.wait(0.1):
             text = urllib.request.urlopen(url).read().decode()
             now = time.perf_counter()
@@ -232,9 +232,11 @@ class RunningSampler:
                     self.waiting.append((now, float(line.split()[-1])))
                 if line.startswith("clonecast_engine_step_seconds_count "):
                     steps = float(line.split()[-1])
+                if line.startswith("clonecast_engine_step_seconds_sum "):
+                    inside = float(line.split()[-1])
                 if line.startswith("clonecast_engine_rows_total "):
                     rows = float(line.split()[-1])
-            self.counters.append((now, steps, rows))
+            self.counters.append((now, steps, rows, inside))
 
     def stop(self, start: float, end: float) -> tuple[float, float]:
         self._stop.set()
@@ -244,12 +246,15 @@ class RunningSampler:
             inside = [v for t, v in samples if start <= t <= end]
             return statistics.fmean(inside) if inside else 0.0
 
-        inside = [(n, r) for t, n, r in self.counters if start <= t <= end]
-        self.window_rows = (
-            (inside[-1][1] - inside[0][1]) / max(1.0, inside[-1][0] - inside[0][0])
-            if len(inside) >= 2
-            else 0.0
-        )
+        # rows per step, wall ms per step and ms inside step() per step, in the window
+        inside = [c for c in self.counters if start <= c[0] <= end]
+        self.window_rows = self.window_wall_ms = self.window_step_ms = 0.0
+        if len(inside) >= 2:
+            (t0, n0, r0, s0), (t1, n1, r1, s1) = inside[0], inside[-1]
+            steps = max(1.0, n1 - n0)
+            self.window_rows = (r1 - r0) / steps
+            self.window_wall_ms = (t1 - t0) / steps * 1e3
+            self.window_step_ms = (s1 - s0) / steps * 1e3
         return mean(self.values), mean(self.waiting)
 
 
@@ -343,6 +348,7 @@ def bench_server(args, eager: bool, out: Path) -> dict:
                 )
                 running, waiting = sampler.stop(min(r.sent for r in recs), end)
                 window_rows = sampler.window_rows
+                window_ms = (sampler.window_wall_ms, sampler.window_step_ms)
                 s1, n1, rows1 = step_stats(port)
                 load_s = time.perf_counter() - t0
                 window = saturated(recs, every, end)
@@ -352,10 +358,13 @@ def bench_server(args, eager: bool, out: Path) -> dict:
                 steps = max(1, n1 - n0)
                 summary["rows_per_step"] = (rows1 - rows0) / steps
                 summary["window_rows_per_step"] = window_rows
+                summary["window_wall_ms"], summary["window_step_ms"] = window_ms
                 summary["loop_ms"] = load_s / steps * 1e3  # wall per step, idle included
                 print(
                     f"C={c} start {s + 1}: saturated window: mean running {running:.1f}, "
                     f"waiting {waiting:.1f}, {window_rows:.1f} rows a step, "
+                    f"{window_ms[0]:.2f} ms of wall and {window_ms[1]:.2f} ms in step() a "
+                    f"step, "
                     f"client gap "
                     f"{summary['client_gap_ms']:.1f} ms, saturated window {window[1]:.1f} s; "
                     f"whole load: {summary['rows_per_step']:.1f} rows a step, "
