@@ -52,6 +52,7 @@ def run(engine, reference, concurrency: int, warmup_s: float, timed_s: float, pr
             timing, t0 = True, now
             steps = rows = 0
             audio_s = inside = 0.0
+            phases0 = engine.stats.phase_seconds_total
             if profile:
                 prof = torch.profiler.profile(
                     activities=[
@@ -75,6 +76,7 @@ def run(engine, reference, concurrency: int, warmup_s: float, timed_s: float, pr
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0
+    phases1 = engine.stats.phase_seconds_total
     summary = None
     if prof is not None:
         prof.__exit__(None, None, None)
@@ -95,6 +97,8 @@ def run(engine, reference, concurrency: int, warmup_s: float, timed_s: float, pr
         "step_ms": 1e3 * wall / max(1, steps),
         "inside_ms": 1e3 * inside / max(1, steps),
         "rows_per_step": rows / max(1, steps),
+        # ms per step in each part of step() (engine.STEP_PHASES)
+        "phase_ms": [1e3 * (b - a) / max(1, steps) for a, b in zip(phases0, phases1, strict=True)],
     }, summary
 
 
@@ -146,12 +150,15 @@ def main() -> None:
         _, summary = run(engine, reference, max(cs), 3.0, 0.0, True)
         Path(args.profile).write_text(summary)
         print(summary.splitlines()[-1])
+    from engine import STEP_PHASES
+
     head = ("mode", "C", "audio-s/s", "steps/s", "step ms", "in step", "rows")
-    print("\n{:<6}{:>4}{:>11}{:>9}{:>9}{:>9}{:>7}".format(*head))
+    print("\n{:<6}{:>4}{:>11}{:>9}{:>9}{:>9}{:>7}  ".format(*head) + " ".join(STEP_PHASES))
     for r in results:
         print(
             f"{r['mode']:<6}{r['C']:>4}{r['audio_s_per_s']:>11.1f}{r['steps_per_s']:>9.1f}"
-            f"{r['step_ms']:>9.2f}{r['inside_ms']:>9.2f}{r['rows_per_step']:>7.1f}"
+            f"{r['step_ms']:>9.2f}{r['inside_ms']:>9.2f}{r['rows_per_step']:>7.1f}  "
+            + " ".join(f"{ms:.2f}" for ms in r["phase_ms"])
         )
 
 

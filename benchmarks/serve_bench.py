@@ -222,6 +222,7 @@ class RunningSampler:
     def _run(self) -> None:
         url = f"http://127.0.0.1:{self.port}/metrics"
         steps = rows = inside = 0.0
+        phases: dict[str, float] = {}
         while not self._stop.wait(0.1):
             text = urllib.request.urlopen(url).read().decode()
             now = time.perf_counter()
@@ -236,7 +237,9 @@ class RunningSampler:
                     inside = float(line.split()[-1])
                 if line.startswith("clonecast_engine_rows_total "):
                     rows = float(line.split()[-1])
-            self.counters.append((now, steps, rows, inside))
+                if line.startswith("clonecast_engine_phase_seconds_total{"):
+                    phases[line.split('"')[1]] = float(line.split()[-1])
+            self.counters.append((now, steps, rows, inside, dict(phases)))
 
     def stop(self, start: float, end: float) -> tuple[float, float]:
         self._stop.set()
@@ -249,12 +252,14 @@ class RunningSampler:
         # rows per step, wall ms per step and ms inside step() per step, in the window
         inside = [c for c in self.counters if start <= c[0] <= end]
         self.window_rows = self.window_wall_ms = self.window_step_ms = 0.0
+        self.window_phase_ms: dict[str, float] = {}
         if len(inside) >= 2:
-            (t0, n0, r0, s0), (t1, n1, r1, s1) = inside[0], inside[-1]
+            (t0, n0, r0, s0, p0), (t1, n1, r1, s1, p1) = inside[0], inside[-1]
             steps = max(1.0, n1 - n0)
             self.window_rows = (r1 - r0) / steps
             self.window_wall_ms = (t1 - t0) / steps * 1e3
             self.window_step_ms = (s1 - s0) / steps * 1e3
+            self.window_phase_ms = {k: (p1[k] - p0.get(k, 0.0)) / steps * 1e3 for k in p1}
         return mean(self.values), mean(self.waiting)
 
 
@@ -359,12 +364,15 @@ def bench_server(args, eager: bool, out: Path) -> dict:
                 summary["rows_per_step"] = (rows1 - rows0) / steps
                 summary["window_rows_per_step"] = window_rows
                 summary["window_wall_ms"], summary["window_step_ms"] = window_ms
+                summary["window_phase_ms"] = sampler.window_phase_ms
                 summary["loop_ms"] = load_s / steps * 1e3  # wall per step, idle included
                 print(
                     f"C={c} start {s + 1}: saturated window: mean running {running:.1f}, "
                     f"waiting {waiting:.1f}, {window_rows:.1f} rows a step, "
                     f"{window_ms[0]:.2f} ms of wall and {window_ms[1]:.2f} ms in step() a "
-                    f"step, "
+                    f"step ("
+                    + ", ".join(f"{k} {v:.2f}" for k, v in sampler.window_phase_ms.items())
+                    + "), "
                     f"client gap "
                     f"{summary['client_gap_ms']:.1f} ms, saturated window {window[1]:.1f} s; "
                     f"whole load: {summary['rows_per_step']:.1f} rows a step, "

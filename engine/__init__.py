@@ -33,6 +33,7 @@ _PUBLIC = {
     "default_device": "engine.engine",
     "Engine": "engine.engine",
     "EngineStats": "engine.engine",
+    "STEP_PHASES": "engine.engine",
     "GenerationResult": "engine.engine",
     "RequestOutput": "engine.audio_output",
 }

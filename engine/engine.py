@@ -13,7 +13,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -60,6 +60,14 @@ class EngineStats:
     num_steps: int = 0
     num_rows_generated: int = 0
     step_seconds_total: float = 0.0  # host wall time inside step(), GPU waits included
+    # step_seconds_total split by phase (STEP_PHASES): where the host's time in step() goes
+    phase_seconds_total: tuple[float, ...] = (0.0,) * 5
+
+
+# The parts of Engine.step(), in order: scheduling; preparing and launching the GPU step; reading
+# back the codec's audio (waits for its events) and handing it to `emit`; waiting for the rows
+# of the step on the GPU; turning those rows into events (and submitting codec windows).
+STEP_PHASES = ("schedule", "launch", "audio", "gpu_wait", "rows")
 
 
 @dataclass
@@ -68,6 +76,7 @@ class _Counters:
     rows: int = 0
     steps: int = 0
     seconds: float = 0.0
+    phases: list[float] = field(default_factory=lambda: [0.0] * len(STEP_PHASES))
 
 
 class Engine:
@@ -281,13 +290,17 @@ class Engine:
 
     def _step(self, emit=None) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        phases = self._counters.phases
         early: list[RequestOutput] = []
         if self._in_flight is not None and self.scheduler.short_of_blocks():
             # Rows in flight may end requests and free their blocks: read them first rather
             # than preempt a live request for want of blocks that are about to be freed.
             pending, self._in_flight = self._in_flight, None
             early = self._read(pending)
+        ts = time.perf_counter()
         sched = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        phases[0] += t1 - ts
         self._counters.preemptions += len(sched.preempted)
         launched = None
         if sched.chunks:
@@ -305,17 +318,22 @@ class Engine:
             pending, self._in_flight = self._in_flight, launched
         else:
             pending = launched
+        t2 = time.perf_counter()
+        phases[1] += t2 - t1
         # Audio submitted by earlier steps has run beside the GPU work since: read it now,
         # then this step's rows (which submit the windows they complete).
         outputs = early + self.audio.collect(self._finish)
         if emit is not None and outputs:
             emit(outputs)
             outputs = []
+        phases[2] += time.perf_counter() - t2
         if pending is not None:
-            outputs += self._read(pending)
+            outputs += self._read(pending)  # counts its own phases (gpu_wait, rows)
         if self._in_flight is None and launched is None:
             # nothing left on the GPU: hold no audio back
+            t3 = time.perf_counter()
             outputs += self.audio.collect(self._finish)
+            phases[2] += time.perf_counter() - t3
         self._counters.seconds += time.perf_counter() - t0
         return outputs
 
@@ -333,15 +351,20 @@ class Engine:
 
     def _complete(self, pending: PendingStep) -> list[RequestOutput]:
         """Reads a launched step's rows (waits for them) and turns them into events."""
+        t0 = time.perf_counter()
         sampled = pending.result()
+        t1 = time.perf_counter()
+        self._counters.phases[3] += t1 - t0
         for request in sampled.requests:
             request.num_inflight -= 1
         updates = self._append_rows(sampled)
         decoding = self.audio.submit(updates)
-        return [
+        outputs = [
             self._output(request, row, reason, request.request_id in decoding)
             for request, row, reason in updates
         ]
+        self._counters.phases[4] += time.perf_counter() - t1
+        return outputs
 
     def _append_rows(self, sampled) -> list[tuple[Request, AudioRow, FinishReason | None]]:
         updates = []
@@ -437,6 +460,7 @@ class Engine:
             num_steps=self._counters.steps,
             num_rows_generated=self._counters.rows,
             step_seconds_total=self._counters.seconds,
+            phase_seconds_total=tuple(self._counters.phases),
         )
 
 

@@ -82,6 +82,7 @@ class Services:
     def _on_step(self, seconds: float, stats) -> None:
         self.metrics.step.observe(seconds)
         self.metrics.count_rows(stats.num_rows_generated)
+        self.metrics.count_phases(stats.phase_seconds_total)
         self.metrics.update_engine(stats)
 
     async def warm_up(self) -> None:

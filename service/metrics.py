@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from engine import STEP_PHASES
+
 FIRST_AUDIO_BUCKETS = (
     0.025,
     0.05,
@@ -62,6 +64,14 @@ class Metrics:
             "Rows sampled by the engine (one per decoding request and step; 40 ms of audio each)",
             registry=r,
         )
+        phase = Counter(
+            p + "engine_phase_seconds",
+            "Host time inside engine steps by phase (schedule, launch, audio, gpu_wait, rows)",
+            ["phase"],
+            registry=r,
+        )
+        self._phases = [phase.labels(name) for name in STEP_PHASES]
+        self._phases_seen = [0.0] * len(STEP_PHASES)
         self.audio_seconds = Counter(
             p + "audio_seconds", "Seconds of audio sent to clients", registry=r
         )
@@ -99,6 +109,12 @@ class Metrics:
         """The engine's running total of rows; called by one thread only (the engine's)."""
         self.rows.inc(total - self._rows_seen)
         self._rows_seen = total
+
+    def count_phases(self, totals) -> None:
+        """The engine's running totals of host time per step phase (engine thread only)."""
+        for i, (child, total) in enumerate(zip(self._phases, totals, strict=True)):
+            child.inc(max(0.0, total - self._phases_seen[i]))
+            self._phases_seen[i] = total
 
     def update_engine(self, stats) -> None:
         self.running.set(stats.num_running)

@@ -27,6 +27,26 @@ def test_events_stream_one_row_per_step_then_finish(engine):
     assert events[-1].rows == [e.new_rows[0] for e in events]
 
 
+def test_step_time_is_split_into_phases(engine):
+    """stats.phase_seconds_total (engine.STEP_PHASES) accounts for the host time in step():
+    every phase counted, none negative, together about the step time itself."""
+    from engine import STEP_PHASES
+
+    before = engine.stats
+    engine.add_request("ph", "Phases.", params=SamplingParams(seed=4, max_rows=12))
+    while engine.has_unfinished():
+        engine.step()
+    after = engine.stats
+    totals = zip(before.phase_seconds_total, after.phase_seconds_total, strict=True)
+    grown = [b - a for a, b in totals]
+    assert len(grown) == len(STEP_PHASES) == 5
+    assert all(g >= 0 for g in grown)
+    named = dict(zip(STEP_PHASES, grown, strict=True))
+    assert named["schedule"] > 0 and named["launch"] > 0 and named["rows"] > 0
+    in_steps = after.step_seconds_total - before.step_seconds_total
+    assert 0.5 * in_steps <= sum(grown) <= in_steps
+
+
 def test_abort_frees_blocks_and_slot(engine):
     free_before = engine.stats.num_free_kv_blocks
     engine.add_request("ab", "Abort me soon.", params=SamplingParams(seed=1, max_rows=100))

@@ -122,6 +122,16 @@ def test_metrics_count_a_websocket_utterance(server):
     )
     # 1 s of audio: 25 frames + the 8-row ramp, every row counted once
     assert after["clonecast_engine_rows_total"] - before["clonecast_engine_rows_total"] >= 25
+    # the host time inside steps, by phase, grows with them and stays within the steps' time
+    grown = {}
+    for phase in ("schedule", "launch", "audio", "gpu_wait", "rows"):
+        key = f'clonecast_engine_phase_seconds_total{{phase="{phase}"}}'
+        grown[phase] = after[key] - before.get(key, 0.0)
+        assert grown[phase] >= 0
+    assert grown["launch"] > 0 and grown["rows"] > 0
+    step_sum = "clonecast_engine_step_seconds_sum"
+    in_steps = after[step_sum] - before[step_sum]
+    assert sum(grown.values()) <= in_steps * 1.01 + 1e-3
 
 
 def test_speech_wav_is_a_complete_file(server):
