@@ -10,7 +10,8 @@
 #   LOOP_AB      the same load per EngineConfig override set, e.g.
 #                "sampler_noise_kernel=true kv_cache_layout=hnd+sampler_noise_kernel=false"
 #   SERVE=1      a reduced served run (SERVE_C: concurrencies, SERVE_N: timed requests)
-#   PROTOCOL=1   the full served protocol of performance.md (C = 1..256, 3 fresh starts)
+#   PROTOCOL=1   the full served protocol of performance.md (C = 1..256, 3 fresh starts);
+#                PROTOCOL_N timed requests per point (256; 512 gives a longer saturated window)
 #   HOST=1       host work per engine step at C = 64 and 128 (benchmarks/host_cost.py)
 #   GIL_MS="a b" one served start at C = 64 and 128 per GIL switch interval (ms) of the server
 #   STEP_ARGS    extra arguments of the decode-step table (STEP=0 skips it)
@@ -50,7 +51,7 @@ if [ "${SERVE:-0}" = 1 ]; then
   timeout 300 python3 benchmarks/serve_bench.py --model $CKPT --concurrency ${SERVE_C:-1,64} --requests ${SERVE_N:-0} --warmup -1 --starts 1 --out "$OUT/serve" 2>&1 | tail -6
 fi
 if [ "${PROTOCOL:-0}" = 1 ]; then
-  timeout 560 python3 benchmarks/serve_bench.py --model $CKPT --concurrency 1,32,64,128,256 --requests 256 --warmup 64 --c1-requests 24 --starts 3 --fresh-server --max-num-seqs 256 ${PROTOCOL_ARGS:-} --out "$OUT/protocol" 2>&1 | tail -34
+  timeout 560 python3 benchmarks/serve_bench.py --model $CKPT --concurrency 1,32,64,128,256 --requests ${PROTOCOL_N:-256} --warmup 64 --c1-requests 24 --starts 3 --fresh-server --max-num-seqs 256 ${PROTOCOL_ARGS:-} --out "$OUT/protocol" 2>&1 | tail -34
 fi
 for g in ${GIL_MS:-}; do
   CLONECAST_GIL_SWITCH_MS=$g timeout 150 python3 benchmarks/serve_bench.py --model $CKPT --concurrency 64,128 --requests 256 --warmup 64 --starts 1 --max-num-seqs 256 --out "$OUT/gil_$g" 2>&1 | grep "^default.* 1 " | sed "s/^/gil $g ms: /"

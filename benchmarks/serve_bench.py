@@ -239,6 +239,8 @@ class RunningSampler:
                     rows = float(line.split()[-1])
                 if line.startswith("clonecast_engine_phase_seconds_total{"):
                     phases[line.split('"')[1]] = float(line.split()[-1])
+                if line.startswith('clonecast_engine_step_seconds_bucket{le="0.02"}'):
+                    phases["_under_20ms"] = float(line.split()[-1])
             self.counters.append((now, steps, rows, inside, dict(phases)))
 
     def stop(self, start: float, end: float) -> tuple[float, float]:
@@ -253,12 +255,17 @@ class RunningSampler:
         inside = [c for c in self.counters if start <= c[0] <= end]
         self.window_rows = self.window_wall_ms = self.window_step_ms = 0.0
         self.window_phase_ms: dict[str, float] = {}
+        self.window_long_steps = 0.0
         if len(inside) >= 2:
             (t0, n0, r0, s0, p0), (t1, n1, r1, s1, p1) = inside[0], inside[-1]
             steps = max(1.0, n1 - n0)
             self.window_rows = (r1 - r0) / steps
             self.window_wall_ms = (t1 - t0) / steps * 1e3
             self.window_step_ms = (s1 - s0) / steps * 1e3
+            # steps of 20 ms or more (stalls: a 320 ms chunk has 8 steps to spare at most)
+            self.window_long_steps = (n1 - n0) - (
+                p1.pop("_under_20ms", 0.0) - p0.pop("_under_20ms", 0.0)
+            )
             self.window_phase_ms = {k: (p1[k] - p0.get(k, 0.0)) / steps * 1e3 for k in p1}
         return mean(self.values), mean(self.waiting)
 
@@ -365,6 +372,7 @@ def bench_server(args, eager: bool, out: Path) -> dict:
                 summary["window_rows_per_step"] = window_rows
                 summary["window_wall_ms"], summary["window_step_ms"] = window_ms
                 summary["window_phase_ms"] = sampler.window_phase_ms
+                summary["window_long_steps"] = sampler.window_long_steps
                 summary["loop_ms"] = load_s / steps * 1e3  # wall per step, idle included
                 print(
                     f"C={c} start {s + 1}: saturated window: mean running {running:.1f}, "
@@ -372,7 +380,7 @@ def bench_server(args, eager: bool, out: Path) -> dict:
                     f"{window_ms[0]:.2f} ms of wall and {window_ms[1]:.2f} ms in step() a "
                     f"step ("
                     + ", ".join(f"{k} {v:.2f}" for k, v in sampler.window_phase_ms.items())
-                    + "), "
+                    + f"), {sampler.window_long_steps:.0f} steps of 20 ms or more, "
                     f"client gap "
                     f"{summary['client_gap_ms']:.1f} ms, saturated window {window[1]:.1f} s; "
                     f"whole load: {summary['rows_per_step']:.1f} rows a step, "
