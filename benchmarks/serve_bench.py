@@ -35,6 +35,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.floor import floor_ms  # noqa: E402
+from benchmarks.metrics_window import RunningSampler  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXTS = [
@@ -205,71 +206,6 @@ def client_gap(records: list[Record]) -> float:
     return statistics.fmean(gaps) if gaps else 0.0
 
 
-class RunningSampler:
-    """Samples the server's running and waiting request gauges and its step and row counters
-    every 0.1 s in a thread; `stop(start, end)` averages the gauges over the samples taken in
-    that window; `rows_per_step()` is the rows sampled per step between its first and last
-    sample (the saturated window's own figure, unlike the whole load's)."""
-
-    def __init__(self, port: int):
-        import threading
-
-        self.port, self.values, self.waiting, self.counters = port, [], [], []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        url = f"http://127.0.0.1:{self.port}/metrics"
-        steps = rows = inside = 0.0
-        phases: dict[str, float] = {}
-        while not self._stop.wait(0.1):
-            text = urllib.request.urlopen(url).read().decode()
-            now = time.perf_counter()
-            for line in text.splitlines():
-                if line.startswith("clonecast_num_requests_running "):
-                    self.values.append((now, float(line.split()[-1])))
-                if line.startswith("clonecast_num_requests_waiting "):
-                    self.waiting.append((now, float(line.split()[-1])))
-                if line.startswith("clonecast_engine_step_seconds_count "):
-                    steps = float(line.split()[-1])
-                if line.startswith("clonecast_engine_step_seconds_sum "):
-                    inside = float(line.split()[-1])
-                if line.startswith("clonecast_engine_rows_total "):
-                    rows = float(line.split()[-1])
-                if line.startswith("clonecast_engine_phase_seconds_total{"):
-                    phases[line.split('"')[1]] = float(line.split()[-1])
-                if line.startswith('clonecast_engine_step_seconds_bucket{le="0.02"}'):
-                    phases["_under_20ms"] = float(line.split()[-1])
-            self.counters.append((now, steps, rows, inside, dict(phases)))
-
-    def stop(self, start: float, end: float) -> tuple[float, float]:
-        self._stop.set()
-        self._thread.join()
-
-        def mean(samples):
-            inside = [v for t, v in samples if start <= t <= end]
-            return statistics.fmean(inside) if inside else 0.0
-
-        # rows per step, wall ms per step and ms inside step() per step, in the window
-        inside = [c for c in self.counters if start <= c[0] <= end]
-        self.window_rows = self.window_wall_ms = self.window_step_ms = 0.0
-        self.window_phase_ms: dict[str, float] = {}
-        self.window_long_steps = 0.0
-        if len(inside) >= 2:
-            (t0, n0, r0, s0, p0), (t1, n1, r1, s1, p1) = inside[0], inside[-1]
-            steps = max(1.0, n1 - n0)
-            self.window_rows = (r1 - r0) / steps
-            self.window_wall_ms = (t1 - t0) / steps * 1e3
-            self.window_step_ms = (s1 - s0) / steps * 1e3
-            # steps of 20 ms or more (stalls: a 320 ms chunk has 8 steps to spare at most)
-            self.window_long_steps = (n1 - n0) - (
-                p1.pop("_under_20ms", 0.0) - p0.pop("_under_20ms", 0.0)
-            )
-            self.window_phase_ms = {k: (p1[k] - p0.get(k, 0.0)) / steps * 1e3 for k in p1}
-        return mean(self.values), mean(self.waiting)
-
-
 def start_server(
     model: str | None, port: int, eager: bool, max_num_seqs: int, log: Path, sim: str | None
 ):
@@ -380,7 +316,7 @@ def bench_server(args, eager: bool, out: Path) -> dict:
                     f"{window_ms[0]:.2f} ms of wall and {window_ms[1]:.2f} ms in step() a "
                     f"step ("
                     + ", ".join(f"{k} {v:.2f}" for k, v in sampler.window_phase_ms.items())
-                    + f"), {sampler.window_long_steps:.0f} steps of 20 ms or more, "
+                    + f"), {sampler.window_long_steps:.0f} steps over 20 ms, "
                     f"client gap "
                     f"{summary['client_gap_ms']:.1f} ms, saturated window {window[1]:.1f} s; "
                     f"whole load: {summary['rows_per_step']:.1f} rows a step, "

@@ -32,8 +32,8 @@ _PUBLIC = {
     "StreamingResampler": "engine.codec.resample",
     "default_device": "engine.engine",
     "Engine": "engine.engine",
-    "EngineStats": "engine.engine",
-    "STEP_PHASES": "engine.engine",
+    "EngineStats": "engine.stats",
+    "STEP_PHASES": "engine.stats",
     "GenerationResult": "engine.engine",
     "RequestOutput": "engine.audio_output",
 }

@@ -13,7 +13,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -32,6 +32,7 @@ from engine.prompt import AudioRow, build_prompt
 from engine.request import FinishReason, Request
 from engine.runner import ModelRunner, PendingStep
 from engine.scheduler import Scheduler
+from engine.stats import EngineStats, StepCounters
 from engine.tokenizer import HiggsTokenizer
 
 log = logging.getLogger("clonecast.engine")
@@ -44,39 +45,6 @@ class GenerationResult:
     rows: list[AudioRow]
     finish_reason: str
     pcm: bytes = b""  # the streamed audio chunks concatenated (empty without audio)
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    num_free_kv_blocks: int
-    num_kv_blocks: int
-    num_prefill_tokens_computed: int
-    num_prefix_cached_tokens: int
-    num_preemptions: int
-    num_voice_encodes: int = 0
-    num_voice_cache_hits: int = 0
-    num_steps: int = 0
-    num_rows_generated: int = 0
-    step_seconds_total: float = 0.0  # host wall time inside step(), GPU waits included
-    # step_seconds_total split by phase (STEP_PHASES): where the host's time in step() goes
-    phase_seconds_total: tuple[float, ...] = (0.0,) * 5
-
-
-# The parts of Engine.step(), in order: scheduling; preparing and launching the GPU step; reading
-# back the codec's audio (waits for its events) and handing it to `emit`; waiting for the rows
-# of the step on the GPU; turning those rows into events (and submitting codec windows).
-STEP_PHASES = ("schedule", "launch", "audio", "gpu_wait", "rows")
-
-
-@dataclass
-class _Counters:
-    preemptions: int = 0
-    rows: int = 0
-    steps: int = 0
-    seconds: float = 0.0
-    phases: list[float] = field(default_factory=lambda: [0.0] * len(STEP_PHASES))
 
 
 class Engine:
@@ -128,7 +96,7 @@ class Engine:
             self._stream = torch.cuda.Stream(device, priority=config.backbone_stream_priority)
         self.audio_limits = AudioLimits()
         self.audio = AudioOutput(self.codec.chunks if self.codec else None, config.stream)
-        self._counters = _Counters()
+        self._counters = StepCounters()
         self._in_flight: PendingStep | None = None
         if is_default:
             log.warning(UNTRAINED_NOTICE)
@@ -281,10 +249,12 @@ class Engine:
         runs step N while the host reads step N-1 and prepares step N+1: a request's finish is
         seen one step late, and a finishing request may compute one row that is dropped.
 
-        `emit`, if given, is called with the audio decoded since the last step as soon as it
-        is read back (after this step's launch, before waiting for the rows of the step on
-        the GPU): those events leave up to one step earlier and are not in the returned list.
-        Events keep their order either way."""
+        `emit`, if given, is called with the events that are ready before this step waits for
+        the GPU (after its launch): the audio read back from the codec and, when KV blocks ran
+        short and the previous rows were read first, those rows' events. They leave up to one
+        step earlier and are not in the returned list; events keep their order either way. If
+        `emit` raises, the step still reads its rows (the engine stays consistent) and the
+        exception propagates, with those rows' events lost to the caller."""
         with self._on_stream():
             return self._step(emit)
 
@@ -323,12 +293,19 @@ class Engine:
         # Audio submitted by earlier steps has run beside the GPU work since: read it now,
         # then this step's rows (which submit the windows they complete).
         outputs = early + self.audio.collect(self._finish)
+        emit_error = None
         if emit is not None and outputs:
-            emit(outputs)
+            try:
+                emit(outputs)
+            except Exception as exc:  # a caller's bug: still read the rows below
+                emit_error = exc
             outputs = []
         phases[2] += time.perf_counter() - t2
         if pending is not None:
             outputs += self._read(pending)  # counts its own phases (gpu_wait, rows)
+        if emit_error is not None:
+            self._counters.seconds += time.perf_counter() - t0
+            raise emit_error
         if self._in_flight is None and launched is None:
             # nothing left on the GPU: hold no audio back
             t3 = time.perf_counter()

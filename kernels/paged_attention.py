@@ -35,10 +35,10 @@ def _load_k(k_ptr, offs, d, n_ok, K_ROWS: tl.constexpr):
 
 @triton.jit
 def _program_ids(HEADS_FIRST: tl.constexpr):
-    """(sequence, inner index, KV head) of this program. With HEADS_FIRST the grid is
-    (KV heads, inner, sequences): the programs of one sequence's heads are launched next to
-    each other and read the same token rows of the cache (the heads of a token are adjacent
-    in the default layout) at about the same time."""
+    """(sequence, query block, KV head) of a one-pass program. With HEADS_FIRST the grid is
+    (KV heads, query blocks, sequences): the programs of one sequence's heads are launched
+    next to each other and read the same token rows of the cache (the heads of a token are
+    adjacent in the default layout) at about the same time."""
     if HEADS_FIRST:
         return tl.program_id(2), tl.program_id(1), tl.program_id(0)
     return tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -136,6 +136,7 @@ def _decode_split_kernel(
     stride_kh,
     stride_bt,
     G: tl.constexpr,
+    HQ: tl.constexpr,
     ROWS: tl.constexpr,
     D: tl.constexpr,
     PAGE: tl.constexpr,
@@ -145,7 +146,11 @@ def _decode_split_kernel(
     HEADS_FIRST: tl.constexpr,
 ):
     # Decode rows only (one query token per sequence): KV range split over SPLITS programs.
-    seq, split, kv_head = _program_ids(HEADS_FIRST)
+    # Grid (sequences, KV heads, splits), or (KV heads, splits, sequences) with HEADS_FIRST.
+    if HEADS_FIRST:
+        kv_head, split, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    else:
+        seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start = tl.load(qsl_ptr + seq)
     if tl.load(qsl_ptr + seq + 1) == q_start:
         return  # a padding sequence
@@ -180,8 +185,7 @@ def _decode_split_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     # partials: [num_seqs, Hq, SPLITS, D] (unnormalised) and [num_seqs, Hq, SPLITS, 2] (m, l)
-    hq = (tl.num_programs(0) if HEADS_FIRST else tl.num_programs(2)) * G
-    base = (seq * hq + head) * SPLITS + split
+    base = (seq * HQ + head) * SPLITS + split
     tl.store(part_o_ptr + base[:, None] * D + d[None, :], acc, mask=row_ok[:, None])
     tl.store(part_ml_ptr + base * 2, m_i, mask=row_ok)
     tl.store(part_ml_ptr + base * 2 + 1, l_i, mask=row_ok)
@@ -260,7 +264,7 @@ def paged_decode_attention(
     out = torch.empty_like(q) if out is None else out
     part_o = torch.empty(num_seqs, hq, splits, d, dtype=torch.float32, device=q.device)
     part_ml = torch.empty(num_seqs, hq, splits, 2, dtype=torch.float32, device=q.device)
-    grid = (hkv, splits, num_seqs) if heads_first else (num_seqs, splits, hkv)
+    grid = (hkv, splits, num_seqs) if heads_first else (num_seqs, hkv, splits)
     _decode_split_kernel[grid](
         q,
         k_cache,
@@ -278,6 +282,7 @@ def paged_decode_attention(
         k_cache.stride(2),
         block_tables.stride(0),
         G=group,
+        HQ=hq,
         ROWS=max(16, triton.next_power_of_2(group)),
         D=d,
         PAGE=page,

@@ -17,6 +17,7 @@ BOOKKEEPING = [
     "engine.request",
     "engine.block_manager",
     "engine.scheduler",
+    "engine.stats",
 ]
 
 

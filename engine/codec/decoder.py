@@ -58,10 +58,10 @@ class Conv1d(nn.Conv1d):
         self.register_buffer("weight4", _nhwc_copy(self.weight) if on else None, persistent=False)
 
     def forward(self, x, bias: bool = True):
-        """`bias=False` (channels-last mode): leaves the bias to the caller."""
+        """`bias=False` leaves the bias to the caller."""
         weight4 = self._buffers.get("weight4")
         if weight4 is None:
-            return super().forward(x)
+            return self._conv_forward(x, self.weight, self.bias if bias else None)
         return F.conv2d(
             x,
             weight4,
@@ -82,10 +82,21 @@ class ConvTranspose1d(nn.ConvTranspose1d):
         self.register_buffer("weight4", _nhwc_copy(self.weight) if on else None, persistent=False)
 
     def forward(self, x, bias: bool = True):
-        """`bias=False` (channels-last mode): leaves the bias to the caller."""
+        """`bias=False` leaves the bias to the caller."""
         weight4 = self._buffers.get("weight4")
         if weight4 is None:
-            return super().forward(x)
+            if bias:
+                return super().forward(x)
+            return F.conv_transpose1d(
+                x,
+                self.weight,
+                None,
+                self.stride,
+                self.padding,
+                self.output_padding,
+                self.groups,
+                self.dilation,
+            )
         return F.conv_transpose2d(
             x,
             weight4,

@@ -43,11 +43,13 @@ def test_decoder_matches_transformers_decode(codec_dir):
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["torch-snake", "triton-snake"])
-def test_channels_last_decoder_equals_the_default_layout(codec_dir, fused):
+def test_channels_last_decoder_equals_the_default_layout(codec_dir, fused, monkeypatch):
     """NHWC activations and 2-D convolutions on converted weights (with fused Snake: each
     convolution's bias and the residual adds folded into the Snake passes) compute the same
     audio (fp32, to rounding); switching back restores the default path. The convolutions'
     biases are redrawn: the random codec's are zero, which would hide a dropped bias."""
+    from engine.codec.decoder import AcousticDecoder
+
     cfg, state = load_codec_state(codec_dir)
     gen = torch.Generator().manual_seed(5)
     for key, value in state.items():
@@ -55,12 +57,18 @@ def test_channels_last_decoder_equals_the_default_layout(codec_dir, fused):
             state[key] = torch.randn(value.shape, generator=gen) * 0.3
     plain = build_decoder(cfg, state, CPU, torch.float32, fused)
     nhwc = build_decoder(cfg, state, CPU, torch.float32, fused, True)
+    folded = []
+    original = AcousticDecoder._forward_folded
+    monkeypatch.setattr(
+        AcousticDecoder, "_forward_folded", lambda self, x: folded.append(1) or original(self, x)
+    )
     for b, t in [(1, 8), (3, 33), (2, 1)]:
         codes = torch.randint(0, 1024, (b, 8, t), generator=torch.Generator().manual_seed(b + t))
         with torch.no_grad():
             expected, got = plain(codes), nhwc(codes)
         assert got.shape == expected.shape == (b, 1, t * 960)
         assert _rel(got, expected) <= 1e-5
+    assert len(folded) == (3 if fused else 0)  # the folded path runs exactly with fused Snake
     nhwc.use_channels_last(False)
     with torch.no_grad():
         assert torch.equal(nhwc(codes), plain(codes))
@@ -166,6 +174,26 @@ def test_channels_last_weights_follow_the_module(codec_dir):
         out64 = nhwc.to(torch.float64)(codes)
         assert out64.dtype == torch.float64
         assert _rel(out64.float(), plain(codes)) <= 1e-5
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_convolutions_leave_out_their_bias_when_asked(channels_last):
+    """`bias=False` leaves the bias out in both layouts (the folded path adds it itself)."""
+    from engine.codec.decoder import Conv1d, ConvTranspose1d
+
+    torch.manual_seed(2)
+    for conv in (Conv1d(4, 6, 3, padding=1), ConvTranspose1d(4, 6, 6, stride=3, padding=2)):
+        x = torch.randn(2, 4, 9)
+        with torch.no_grad():
+            conv.bias.uniform_(0.5, 1.0)
+            with_bias = conv(x)
+            conv.set_channels_last(channels_last)
+            if channels_last:
+                nhwc = x.unsqueeze(2).contiguous(memory_format=torch.channels_last)
+                without = conv(nhwc, bias=False).squeeze(2)
+            else:
+                without = conv(x, bias=False)
+        torch.testing.assert_close(without + conv.bias[:, None], with_bias, rtol=1e-5, atol=1e-5)
 
 
 def test_channels_last_convolution_keeps_groups():

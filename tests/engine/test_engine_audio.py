@@ -86,12 +86,38 @@ def test_emit_hands_out_audio_before_the_rows_in_the_same_order(engine):
     assert [key(e) for e in early] == [key(e) for e in plain]
     chunks = sum(e.audio is not None for e in plain)
     assert chunks >= 4
-    # emit never carries a row; every chunk goes out through it except those read once the
-    # GPU has nothing left to run (the last step reads them before it returns)
+    # emit carries no row here (KV blocks never run short); every chunk goes out through it
+    # except those read once the GPU has nothing left to run (read before the last return)
     assert all(not e.new_rows for c in calls for e in c)
     assert not any(e.audio is not None for r in returned[:-1] for e in r)
     late = sum(e.audio is not None for e in returned[-1])
     assert sum(e.audio is not None for c in calls for e in c) == chunks - late >= 3
+
+
+def test_a_raising_emit_still_reads_the_rows(engine):
+    """An exception from `emit` propagates, but the step has read its rows: nothing stays in
+    flight and the request carries on to its end with every row."""
+    engine.add_request("boom", "Emit fails once.", params=SamplingParams(seed=13, max_rows=45))
+    calls = []
+
+    def emit(outputs):
+        calls.append(outputs)
+        if len(calls) == 1:
+            raise RuntimeError("client gone")
+
+    raised, events = False, []
+    while engine.has_unfinished():
+        try:
+            events += engine.step(emit=emit)
+        except RuntimeError as exc:
+            assert str(exc) == "client gone" and not raised
+            raised = True
+            request = engine.scheduler.requests.get("boom") or engine.audio.held.get("boom")
+            assert request is not None and request.num_inflight <= 1  # only the new step
+    assert raised and len(calls) >= 2
+    events += [e for c in calls[1:] for e in c]
+    [end] = [e for e in events if e.request_id == "boom" and e.finished]
+    assert end.finish_reason == "length" and len(end.rows) == 45
 
 
 def _until_last_row(engine, rid: str, busy: str, max_rows: int, seed: int) -> list:

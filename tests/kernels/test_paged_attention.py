@@ -174,8 +174,10 @@ def test_tuning_knobs_change_speed_not_results(block_n, k_rows, heads_first):
     q, k, v, meta = make_batch(dq_lens, dctx, 8, 2, 32, 16, torch.float32, device, seed=4)
     ref = paged_attention_reference(q, k, v, *meta, 32**-0.5)
     out = torch.full_like(q, float("nan"))
-    paged_decode_attention(q, k, v, *meta, 32**-0.5, 2, out=out, **knobs)
-    assert torch.isfinite(out).all() and rel_err(out, ref) <= tol
+    for splits in (2, 4):  # 4: not the KV head count, so the two grid axes cannot be confused
+        out = torch.full_like(q, float("nan"))
+        paged_decode_attention(q, k, v, *meta, 32**-0.5, splits, out=out, **knobs)
+        assert torch.isfinite(out).all() and rel_err(out, ref) <= tol
 
 
 def test_k_and_v_with_different_strides_are_refused():

@@ -38,6 +38,14 @@ def test_simulated_server_runs_the_same_protocol(tmp_path, model_cache):
     pool, _ = _bench(tmp_path, model_cache, 8813, "--sim", "--step-ms 20+0 --codec-ms 1")
     assert pool["first_payloads"] == [15360]
     assert pool["ttfa_mean"] >= 15 * 20  # the simulated step time really paces the engine
+    # the server's own figures inside the saturated window (benchmarks/metrics_window.py)
+    start = json.loads((tmp_path / "serve_bench.json").read_text())["default"]["2"][0]
+    assert 19 <= start["window_step_ms"] <= start["window_wall_ms"] < 60
+    assert 0 < start["window_rows_per_step"] <= 2
+    phases = start["window_phase_ms"]
+    assert list(phases) == ["schedule", "launch", "audio", "gpu_wait", "rows"]
+    assert phases["gpu_wait"] > 10  # the simulated GPU work is waited for there
+    assert sum(phases.values()) <= start["window_step_ms"] * 1.01
 
 
 def test_benchmark_config_overrides_parse_and_refuse_bad_items():

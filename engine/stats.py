@@ -1,0 +1,40 @@
+"""What the engine reports about itself: `EngineStats` (a snapshot, `Engine.stats`), the
+phases its host time per step is split into, and the running totals behind them. No torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# The parts of Engine.step(), in order: scheduling; preparing and launching the GPU step; reading
+# back the codec's audio (waits for its events) and handing it to `emit`; waiting for the rows
+# of the step on the GPU; turning those rows into events (and submitting codec windows).
+STEP_PHASES = ("schedule", "launch", "audio", "gpu_wait", "rows")
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_free_kv_blocks: int
+    num_kv_blocks: int
+    num_prefill_tokens_computed: int
+    num_prefix_cached_tokens: int
+    num_preemptions: int
+    num_voice_encodes: int = 0
+    num_voice_cache_hits: int = 0
+    num_steps: int = 0
+    num_rows_generated: int = 0
+    step_seconds_total: float = 0.0  # host wall time inside step(), GPU waits included
+    # step_seconds_total split by phase (STEP_PHASES): where the host's time in step() goes
+    phase_seconds_total: tuple[float, ...] = (0.0,) * len(STEP_PHASES)
+
+
+@dataclass
+class StepCounters:
+    """The engine's running totals (its own thread only)."""
+
+    preemptions: int = 0
+    rows: int = 0
+    steps: int = 0
+    seconds: float = 0.0
+    phases: list[float] = field(default_factory=lambda: [0.0] * len(STEP_PHASES))
