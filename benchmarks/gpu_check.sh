@@ -12,6 +12,7 @@
 #   SERVE=1      a reduced served run (SERVE_C: concurrencies, SERVE_N: timed requests)
 #   PROTOCOL=1   the full served protocol of performance.md (C = 1..256, 3 fresh starts);
 #                PROTOCOL_N timed requests per point (256; 512 gives a longer saturated window)
+#   STEP_AB      the decode step (eager_step.py) per EngineConfig override set, as LOOP_AB
 #   HOST=1       host work per engine step at C = 64 and 128 (benchmarks/host_cost.py)
 #   GIL_MS="a b" one served start at C = 64 and 128 per GIL switch interval (ms) of the server
 #   STEP_ARGS    extra arguments of the decode-step table (STEP=0 skips it)
@@ -64,3 +65,8 @@ fi
 if [ "${STEP:-1}" = 1 ]; then
   timeout 200 python3 benchmarks/eager_step.py --ckpt $CKPT --profile "$OUT/profile.txt" ${STEP_ARGS:-} 2>&1 | tee "$OUT/eager_step.log" | tail -14
 fi
+# STEP_AB="a b": the decode step again with each override set (as LOOP_AB), no profile
+for ab in ${STEP_AB:-}; do
+  echo "eager_step with ${ab//+/ }"
+  timeout 200 python3 benchmarks/eager_step.py --ckpt $CKPT ${STEP_ARGS:-} $(for kv in ${ab//+/ }; do echo --set $kv; done) 2>&1 | tail -4
+done

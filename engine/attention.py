@@ -84,6 +84,8 @@ class AttentionBackend(Protocol):
         self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor: ...  # [T, Hq, D]
 
+    def fuses_decode(self, meta: AttentionMetadata, kv_cache: torch.Tensor) -> bool: ...
+
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
     _, _, block_size, hkv, d = kv_cache.shape
@@ -103,6 +105,12 @@ class _StoreThenAttend:
     reference unless a backend has its own), then `attend`."""
 
     store = staticmethod(store_kv)
+    fuse_decode = False  # EngineConfig.fused_decode_attention (used by backends that can)
+
+    def fuses_decode(self, meta, kv_cache) -> bool:
+        """Whether `decode_fused` (q/k-norm + RoPE, K/V store and attention in one launch)
+        serves this step; only the Triton backend has it."""
+        return False
 
     def forward(self, q, k, v, kv_cache, meta, scale):
         self.store(k, v, kv_cache, meta.slot_mapping[: meta.num_tokens])
@@ -150,6 +158,7 @@ class TritonAttention(_StoreThenAttend):
     grid sized from `meta.max_query_len` (so graph capture must respect the capture bound)."""
 
     name = "triton"
+    split_target = 264  # decode splits each context until about this many programs run
 
     @staticmethod
     def store(k, v, kv_cache, slots):
@@ -157,11 +166,30 @@ class TritonAttention(_StoreThenAttend):
 
         store_kv_fused(k, v, kv_cache, slots)
 
+    def _splits(self, meta, kv_cache) -> int:
+        from kernels.paged_attention import decode_splits
+
+        return decode_splits(meta.num_seqs, kv_cache.shape[3], self.split_target)
+
+    def fuses_decode(self, meta, kv_cache) -> bool:
+        """Decode-only steps that run the one-pass kernel (enough sequences not to split)."""
+        return self.fuse_decode and meta.max_query_len == 1 and self._splits(meta, kv_cache) == 1
+
+    def decode_fused(self, norm_args, kv_cache, meta, scale):
+        """`norm_args`: the q/k-norm + RoPE kernel's arguments (qkv, q and k norm weights,
+        cos, sin, positions, heads, KV heads, eps); K/V stored at the step's slots."""
+        from kernels.paged_attention import paged_decode_attention_fused
+
+        slots = meta.slot_mapping[: meta.num_tokens]
+        cache = (kv_cache[0], kv_cache[1], slots)
+        index = (meta.query_start_loc, meta.seq_lens, meta.block_tables)
+        return paged_decode_attention_fused(*norm_args, *cache, *index, scale)
+
     def attend(self, q, kv_cache, meta, scale):
-        from kernels.paged_attention import decode_splits, paged_attention, paged_decode_attention
+        from kernels.paged_attention import paged_attention, paged_decode_attention
 
         if meta.max_query_len == 1:  # decode only: split the context when sequences are few
-            splits = decode_splits(meta.num_seqs, kv_cache.shape[3])
+            splits = self._splits(meta, kv_cache)
             if splits > 1:
                 return paged_decode_attention(
                     q,

@@ -165,6 +165,10 @@ class EngineConfig:
     # auto: triton on CUDA, torch on the CPU; varlen: PyTorch's FlashAttention (CUDA, eager)
     attention_backend: str = "auto"
     fused_kernels: bool = True  # Triton norm/RoPE/SiLU and codec Snake on CUDA; False: torch
+    # With fused kernels and the Triton backend: decode-only steps of enough sequences run
+    # q/k-norm + RoPE, the K/V store and attention as one launch per layer (the same numbers
+    # as two launches, tested bit for bit on the CPU). Off until measured on a GPU.
+    fused_decode_attention: bool = False
     cuda_graphs: bool = True  # FULL backbone graphs (CUDA with the Triton backend); False: eager
     # The host schedules and launches step N+1 before it reads step N's rows (one step in
     # flight); False: each step's rows are read before the next step is scheduled.

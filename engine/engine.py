@@ -74,9 +74,9 @@ class Engine:
         if backend == "auto":
             backend = "triton" if device.type == "cuda" else "torch"
         fused = device.type == "cuda" and config.fused_kernels
-        self.model, self.codec_keys = load_model(
-            checkpoint, make_backend(backend), device, dtype, fused
-        )
+        attention = make_backend(backend)
+        attention.fuse_decode = config.fused_decode_attention
+        self.model, self.codec_keys = load_model(checkpoint, attention, device, dtype, fused)
         if config.max_model_len > self.model.config.max_position_embeddings:
             raise ConfigError(
                 f"max_model_len {config.max_model_len} exceeds the model's "

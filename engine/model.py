@@ -88,7 +88,7 @@ class TritonOps:
         return add_rms_norm(x, residual, weight, eps)
 
     @staticmethod
-    def _norm_rope_args(attn, qkv, positions, rope) -> tuple:
+    def norm_rope_args(attn, qkv, positions, rope) -> tuple:
         weights = (attn.q_norm.weight, attn.k_norm.weight, rope.cos, rope.sin)
         return (qkv, *weights, positions, attn.num_heads, attn.num_kv_heads, attn.q_norm.eps)
 
@@ -96,14 +96,14 @@ class TritonOps:
     def qk_norm_rope(attn, qkv, positions, rope):
         from kernels.norm_rope import qk_norm_rope
 
-        return qk_norm_rope(*TritonOps._norm_rope_args(attn, qkv, positions, rope))
+        return qk_norm_rope(*TritonOps.norm_rope_args(attn, qkv, positions, rope))
 
     @staticmethod
     def qk_norm_rope_store(attn, qkv, positions, rope, kv_cache, slots):
         """q only; k and v written into `kv_cache` at `slots` by the same kernel."""
         from kernels.norm_rope import qk_norm_rope_store
 
-        args = TritonOps._norm_rope_args(attn, qkv, positions, rope)
+        args = TritonOps.norm_rope_args(attn, qkv, positions, rope)
         return qk_norm_rope_store(*args, kv_cache, slots)
 
     @staticmethod
@@ -134,7 +134,11 @@ class Attention(nn.Module):
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         meta = current_metadata()
-        if ops.qk_norm_rope_store is not None:  # one kernel: norms, RoPE and the K/V store
+        if ops.qk_norm_rope_store is not None and self.backend.fuses_decode(meta, kv_cache):
+            # one kernel: norms, RoPE, the K/V store and attention
+            args = ops.norm_rope_args(self, qkv, positions, rope)
+            out = self.backend.decode_fused(args, kv_cache, meta, self.scale)
+        elif ops.qk_norm_rope_store is not None:  # one kernel: norms, RoPE and the K/V store
             slots = meta.slot_mapping[: meta.num_tokens]
             q = ops.qk_norm_rope_store(self, qkv, positions, rope, kv_cache, slots)
             out = self.backend.attend(q, kv_cache, meta, self.scale)

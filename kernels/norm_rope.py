@@ -67,6 +67,34 @@ def add_rms_norm_reference(x, residual, weight, eps):
 
 
 @triton.jit
+def norm_rope_rows(
+    row, is_q, ok, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos, eps, D: tl.constexpr, dtype: tl.constexpr
+):
+    """Rows `[HEADS, D]` of one token's fused qkv (at pointers `row`, masked by `ok`) as two
+    halves: (o1, o2) q/k RMSNorm (q's weight where `is_q`, k's elsewhere) then RoPE at `pos`,
+    in `dtype` with transformers' rounding; (x1, x2) the raw rows in fp32 (v passes as is)."""
+    half = tl.arange(0, D // 2)
+    x1 = tl.load(row + half[None, :], mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(row + D // 2 + half[None, :], mask=ok, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / D + eps)
+    w1 = tl.where(is_q[:, None], tl.load(qw_ptr + half)[None, :], tl.load(kw_ptr + half)[None, :])
+    w2 = tl.where(
+        is_q[:, None],
+        tl.load(qw_ptr + D // 2 + half)[None, :],
+        tl.load(kw_ptr + D // 2 + half)[None, :],
+    )
+    n1 = (
+        (w1.to(tl.float32) * (x1 * rstd[:, None]).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    )
+    n2 = (
+        (w2.to(tl.float32) * (x2 * rstd[:, None]).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    )
+    c = tl.load(cos_ptr + pos * (D // 2) + half)[None, :]
+    s = tl.load(sin_ptr + pos * (D // 2) + half)[None, :]
+    return (n1 * c - n2 * s).to(dtype), (n2 * c + n1 * s).to(dtype), x1, x2
+
+
+@triton.jit
 def _qk_norm_rope_kernel(
     qkv_ptr,
     qw_ptr,
@@ -101,27 +129,10 @@ def _qk_norm_rope_kernel(
     is_v = (head >= HQ + HKV) & (head < HQ + 2 * HKV)
     ok = (is_q | is_k | is_v)[:, None] if STORE else (is_q | is_k)[:, None]
     row = qkv_ptr + token * (HQ + 2 * HKV) * D + head[:, None] * D
-    x1 = tl.load(row + half[None, :], mask=ok, other=0.0).to(tl.float32)
-    x2 = tl.load(row + D // 2 + half[None, :], mask=ok, other=0.0).to(tl.float32)
-    rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / D + eps)
-    dtype = q_ptr.dtype.element_ty
-    w1 = tl.where(is_q[:, None], tl.load(qw_ptr + half)[None, :], tl.load(kw_ptr + half)[None, :])
-    w2 = tl.where(
-        is_q[:, None],
-        tl.load(qw_ptr + D // 2 + half)[None, :],
-        tl.load(kw_ptr + D // 2 + half)[None, :],
-    )
-    n1 = (
-        (w1.to(tl.float32) * (x1 * rstd[:, None]).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-    )
-    n2 = (
-        (w2.to(tl.float32) * (x2 * rstd[:, None]).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-    )
     pos = tl.load(pos_ptr + token)
-    c = tl.load(cos_ptr + pos * (D // 2) + half)[None, :]
-    s = tl.load(sin_ptr + pos * (D // 2) + half)[None, :]
-    o1 = (n1 * c - n2 * s).to(dtype)
-    o2 = (n2 * c + n1 * s).to(dtype)
+    o1, o2, x1, x2 = norm_rope_rows(
+        row, is_q, ok, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos, eps, D, q_ptr.dtype.element_ty
+    )
     q_row = q_ptr + token * HQ * D + head[:, None] * D
     tl.store(q_row + half[None, :], o1, mask=is_q[:, None])
     tl.store(q_row + D // 2 + half[None, :], o2, mask=is_q[:, None])

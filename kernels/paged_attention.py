@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.norm_rope import norm_rope_rows
+
 _LOG2E = 1.4426950408889634
 
 
@@ -62,6 +64,14 @@ def _paged_attention_kernel(
     stride_ks,
     stride_kh,
     stride_bt,
+    qkv_ptr,  # FUSED only, like the six below (the q/k-norm + RoPE kernel's inputs)
+    qw_ptr,
+    kw_ptr,
+    cos_ptr,
+    sin_ptr,
+    pos_ptr,
+    slot_ptr,
+    eps,
     G: tl.constexpr,
     D: tl.constexpr,
     PAGE: tl.constexpr,
@@ -69,6 +79,10 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     K_ROWS: tl.constexpr,
     HEADS_FIRST: tl.constexpr,
+    FUSED: tl.constexpr,  # decode only: q/k norm + RoPE and the K/V store first (see below)
+    HQ: tl.constexpr,
+    HKV: tl.constexpr,
+    FUSED_ROWS: tl.constexpr,
 ):
     seq, mblock, kv_head = _program_ids(HEADS_FIRST)
     q_start = tl.load(qsl_ptr + seq)
@@ -77,6 +91,42 @@ def _paged_attention_kernel(
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     first_pos = seq_len - q_len
+    if FUSED:
+        # Decode rows only (q_len 1): this program's share of the q/k-norm + RoPE kernel
+        # (norm_rope.py), for its G query heads and its KV head, from the fused qkv row; q to
+        # q_ptr, k and v into the cache at the token's slot. The barrier makes those stores
+        # visible to the whole program before it reads them back below.
+        f_j = tl.arange(0, FUSED_ROWS)
+        f_head = tl.where(f_j < G, kv_head * G + f_j, tl.where(f_j == G, HQ, HQ + HKV) + kv_head)
+        f_row = qkv_ptr + q_start.to(tl.int64) * (HQ + 2 * HKV) * D + f_head[:, None] * D
+        o1, o2, x1, x2 = norm_rope_rows(
+            f_row,
+            f_j < G,
+            (f_j < G + 2)[:, None],
+            qw_ptr,
+            kw_ptr,
+            cos_ptr,
+            sin_ptr,
+            tl.load(pos_ptr + q_start),
+            eps,
+            D,
+            q_ptr.dtype.element_ty,
+        )
+        half = tl.arange(0, D // 2)
+        f_q = q_ptr + q_start * stride_qt + f_head[:, None] * stride_qh + half[None, :]
+        tl.store(f_q, o1, mask=(f_j < G)[:, None])
+        tl.store(f_q + D // 2, o2, mask=(f_j < G)[:, None])
+        slot = tl.load(slot_ptr + q_start).to(tl.int64)
+        keep = slot >= PAGE  # slots in the reserved block 0 are padding rows
+        at = (slot // PAGE) * stride_kb + (slot % PAGE) * stride_ks + kv_head * stride_kh
+        is_k, is_v = ((f_j == G) & keep)[:, None], ((f_j == G + 1) & keep)[:, None]
+        cdtype = k_ptr.dtype.element_ty
+        cols = at + half[None, :] + 0 * f_j[:, None]  # one row per tile row, masked to k / v
+        tl.store(k_ptr + cols, o1.to(cdtype), mask=is_k)
+        tl.store(k_ptr + cols + D // 2, o2.to(cdtype), mask=is_k)
+        tl.store(v_ptr + cols, x1.to(cdtype), mask=is_v)
+        tl.store(v_ptr + cols + D // 2, x2.to(cdtype), mask=is_v)
+        tl.debug_barrier()
 
     rows = tl.arange(0, BLOCK_M * G)
     token = mblock * BLOCK_M + rows // G  # query token within the sequence
@@ -335,6 +385,68 @@ def paged_attention(
     (benchmarks/attention_shapes.py); block_n is rounded up to a whole page. A mixed batch is
     one launch: decode rows take a tall tile too (splitting them into a second launch of
     small tiles was slower on the H200; docs/PERFORMANCE.md)."""
+    knobs = dict(
+        block_n=block_n,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        k_rows=k_rows,
+        heads_first=heads_first,
+    )
+    args = (q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale)
+    return _launch(*args, max_query_len, out, None, knobs)
+
+
+def paged_decode_attention_fused(
+    qkv: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    eps: float,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    **knobs,
+) -> torch.Tensor:
+    """Decode rows only (every sequence has 0 or 1 query token): `qk_norm_rope_store`
+    (kernels/norm_rope.py: q/k RMSNorm + RoPE from the fused qkv `[T, (Hq + 2 Hkv) * D]`,
+    k and v into the cache at `slots`) and `paged_attention` in one launch, each program doing
+    its own heads' share first. Same results as the two launches, bit for bit; tokens of no
+    sequence (padding) get no q and no output row. Knobs as `paged_attention`."""
+    t, d = qkv.shape[0], q_weight.shape[0]
+    if qkv.shape[1] != (num_heads + 2 * num_kv_heads) * d or not qkv.is_contiguous():
+        raise ValueError(f"qkv must be a contiguous [T, {(num_heads + 2 * num_kv_heads) * d}]")
+    if tuple(slots.shape) != (t,) or tuple(positions.shape) != (t,):
+        raise ValueError(f"one slot and one position per token: {t} tokens")
+    if tuple(k_cache.shape[2:]) != (num_kv_heads, d) or k_cache.stride(3) != 1:
+        raise ValueError(f"k_cache must be [blocks, page, {num_kv_heads}, {d}], D contiguous")
+    q = torch.empty(t, num_heads, d, dtype=qkv.dtype, device=qkv.device)
+    fused = (qkv, q_weight, k_weight, cos, sin, positions, slots, eps)
+    args = (q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale)
+    return _launch(*args, 1, out, fused, knobs)
+
+
+def _launch(
+    q,
+    k_cache,
+    v_cache,
+    query_start_loc,
+    seq_lens,
+    block_tables,
+    scale,
+    max_query_len,
+    out,
+    fused,
+    knobs,
+):
     num_seqs = seq_lens.shape[0]
     _, hq, d = q.shape
     page, hkv = k_cache.shape[1], k_cache.shape[2]
@@ -344,7 +456,10 @@ def paged_attention(
         out = torch.empty_like(q)
     block_m = query_block_size(max_query_len, group)
     mblocks = triton.cdiv(max(max_query_len, 1), block_m)
+    heads_first = knobs.get("heads_first", False)
     grid = (hkv, mblocks, num_seqs) if heads_first else (num_seqs, mblocks, hkv)
+    # the fused prologue's inputs; unused (any tensor) without it
+    qkv, qw, kw, cos, sin, positions, slots, eps = fused or (q,) * 7 + (0.0,)
     _paged_attention_kernel[grid](
         q,
         k_cache,
@@ -362,15 +477,27 @@ def paged_attention(
         k_cache.stride(1),
         k_cache.stride(2),
         block_tables.stride(0),
+        qkv,
+        qw,
+        kw,
+        cos,
+        sin,
+        positions,
+        slots,
+        eps,
         G=group,
         D=d,
         PAGE=page,
         BLOCK_M=block_m,
-        BLOCK_N=max(16, page, block_n),
-        K_ROWS=k_rows,
+        BLOCK_N=max(16, page, knobs.get("block_n", 64)),
+        K_ROWS=knobs.get("k_rows", True),
         HEADS_FIRST=heads_first,
-        num_warps=num_warps,
-        num_stages=num_stages,
+        FUSED=fused is not None,
+        HQ=hq,
+        HKV=hkv,
+        FUSED_ROWS=triton.next_power_of_2(group + 2),
+        num_warps=knobs.get("num_warps", 4),
+        num_stages=knobs.get("num_stages", 3),
     )
     return out
 

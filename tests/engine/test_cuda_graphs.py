@@ -225,6 +225,33 @@ def test_high_priority_backbone_stream_gives_the_same_rows(tiny_ckpt):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_decode_attention_gives_the_same_rows(tiny_ckpt, dtype, monkeypatch):
+    """`fused_decode_attention`: decode steps run q/k-norm + RoPE, the K/V store and
+    attention as one launch (here for every decode batch: no context split), in the
+    captured graphs and eagerly; the seeded rows equal the two-launch path's."""
+    from engine.attention import TritonAttention
+
+    monkeypatch.setattr(TritonAttention, "split_target", 1)
+    calls = []
+    original = TritonAttention.decode_fused
+    monkeypatch.setattr(
+        TritonAttention, "decode_fused", lambda self, *a: calls.append(1) or original(self, *a)
+    )
+    base = dict(device="cuda", dtype=dtype, max_num_seqs=8, num_kv_blocks=512)
+    texts = [f"fused decode {i}" for i in range(6)]
+    params = [SamplingParams(seed=70 + i, max_rows=24 + 3 * i) for i in range(6)]
+    rows = {}
+    for fused in (False, True):
+        for graphs in (False, True):
+            config = EngineConfig(fused_decode_attention=fused, cuda_graphs=graphs, **base)
+            engine = Engine.from_pretrained(tiny_ckpt, config)
+            rows[fused, graphs] = [r.rows for r in engine.generate(texts, params=params)]
+            assert bool(calls) == fused
+    assert rows[True, True] == rows[False, True] and rows[True, False] == rows[False, False]
+
+
+@pytest.mark.cuda
 def test_a_warmed_decode_step_makes_no_implicit_host_sync(tiny_ckpt):
     """Inside `step()` the only wait is the designated, explicit one for the sampled rows;
     no tensor operation may synchronise implicitly (`.item()`, pageable copies, nonzero...)."""

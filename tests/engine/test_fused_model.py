@@ -1,7 +1,8 @@
 """The decoder stack with the fused Triton ops (q/k-norm+RoPE writing K/V into the cache,
 add+RMSNorm, SiLU-mul) against the plain torch ops, on the CPU under the Triton interpreter:
 a mixed batch (a prefill over two blocks, a short prefill, padding rows pointing into the
-reserved block 0), torch and Triton attention backends. On a GPU the same path is covered by
+reserved block 0) then a decode step, torch and Triton attention backends, and the decode
+step as one fused launch (`fused_decode_attention`). On a GPU the same path is covered by
 the CUDA parity and graph tests."""
 
 from __future__ import annotations
@@ -28,9 +29,12 @@ CFG = ModelConfig(
 PAGE, BLOCKS = 4, 8
 
 
-def _run(fused: bool, backend: str, layout: str = "nhd"):
+def _run(fused: bool, backend: str, layout: str = "nhd", fuse_decode: bool = False):
     torch.manual_seed(0)
-    model = HiggsModel(CFG, make_backend(backend), fused)
+    attention = make_backend(backend)
+    if fuse_decode:  # one launch for decode steps, even for these few sequences (no split)
+        attention.fuse_decode, attention.split_target = True, 1
+    model = HiggsModel(CFG, attention, fused)
     for p in model.parameters():
         torch.nn.init.normal_(p, std=0.2)
     caches = [torch.zeros(2, BLOCKS, PAGE, 2, 16) for _ in range(CFG.num_layers)]
@@ -52,14 +56,42 @@ def _run(fused: bool, backend: str, layout: str = "nhd"):
     x = torch.randn(9, 64, generator=torch.Generator().manual_seed(1))
     with attention_context(meta), torch.no_grad():
         hidden = model(x, positions, caches)
-    return hidden[:7], caches
+    # then a decode step: one token for each of the two sequences (slots 9 and 14), a padding
+    # sequence and a padding token
+    decode = AttentionMetadata(
+        num_tokens=3,
+        num_seqs=3,
+        query_start_loc=torch.tensor([0, 1, 2, 2], dtype=torch.int32),
+        seq_lens=torch.tensor([6, 3, 0], dtype=torch.int32),
+        block_tables=torch.tensor([[1, 2], [3, 0], [0, 0]], dtype=torch.int32),
+        slot_mapping=torch.tensor([9, 14, 2]),
+        max_query_len=1,
+        max_seq_len=6,
+    )
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(2))
+    with attention_context(decode), torch.no_grad():
+        step = model(x, torch.tensor([5, 2, 0]), caches)
+    return torch.cat([hidden[:7], step[:2]]), caches
 
 
+# Rows of no sequence (padding) get no attention output (left uninitialised, as on the GPU)
+# and may overflow downstream under the interpreter; they are never read.
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 @pytest.mark.parametrize("layout", ["nhd", "hnd"])
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_fused_ops_equal_torch_ops(backend, layout):
+@pytest.mark.parametrize(
+    "backend, fuse_decode", [("torch", False), ("triton", False), ("triton", True)]
+)
+def test_fused_ops_equal_torch_ops(backend, layout, fuse_decode, monkeypatch):
+    from engine.attention import TritonAttention
+
     ref_hidden, ref_caches = _run(False, "torch")
-    hidden, caches = _run(True, backend, layout)
+    calls = []
+    original = TritonAttention.decode_fused
+    monkeypatch.setattr(
+        TritonAttention, "decode_fused", lambda self, *a: calls.append(1) or original(self, *a)
+    )
+    hidden, caches = _run(True, backend, layout, fuse_decode)
+    assert len(calls) == (CFG.num_layers if fuse_decode else 0)  # the decode step, every layer
     torch.testing.assert_close(hidden, ref_hidden, rtol=1e-5, atol=1e-5)
     for cache, ref in zip(caches, ref_caches, strict=True):
         torch.testing.assert_close(cache[:, 1:], ref[:, 1:], rtol=1e-5, atol=1e-5)
