@@ -66,9 +66,9 @@ if DEVICE == "cuda":
 
 @pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else []))
 @pytest.mark.parametrize("shape, ctx, padding", CASES)
-@pytest.mark.parametrize("heads_first", [False, True])
+@pytest.mark.parametrize("heads_first, layout", [(False, "nhd"), (True, "nhd"), (False, "hnd")])
 def test_fused_decode_equals_norm_rope_store_then_attention(
-    dtype, shape, ctx, padding, heads_first
+    dtype, shape, ctx, padding, heads_first, layout
 ):
     hq, hkv, d, page = shape
     qkv, cache, positions, slots, meta, real = _decode_batch(
@@ -81,6 +81,8 @@ def test_fused_decode_equals_norm_rope_store_then_attention(
     expected = paged_attention(q, expected_cache[0], expected_cache[1], *meta, scale, 1)
 
     ours_cache = cache.clone()
+    if layout == "hnd":  # the same values in head-major memory, seen in the usual shape
+        ours_cache = cache.permute(0, 1, 3, 2, 4).contiguous().permute(0, 1, 3, 2, 4)
     out = torch.full((qkv.shape[0], hq, d), float("nan"), dtype=dtype, device=DEVICE)
     paged_decode_attention_fused(
         qkv, *norm, ours_cache[0], ours_cache[1], slots, *meta, scale, out=out,
