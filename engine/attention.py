@@ -86,6 +86,10 @@ class AttentionBackend(Protocol):
 
     def fuses_decode(self, meta: AttentionMetadata, kv_cache: torch.Tensor) -> bool: ...
 
+    def decode_fused(
+        self, norm_args: tuple, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor: ...  # [T, Hq, D]; only called when fuses_decode() says so
+
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
     _, _, block_size, hkv, d = kv_cache.shape

@@ -222,6 +222,12 @@ class EngineConfig:
             raise ConfigError("kv_cache_memory_fraction must be in (0, 1)")
         if self.codec_graph_max_batch is not None and self.codec_graph_max_batch < 0:
             raise ConfigError("codec_graph_max_batch must be >= 0 (0: no codec graphs)")
+        if self.fused_decode_attention and (
+            not self.fused_kernels or self.attention_backend in ("torch", "varlen")
+        ):
+            raise ConfigError(
+                "fused_decode_attention needs fused_kernels and the Triton attention backend"
+            )
         if self.kv_cache_layout not in ("nhd", "hnd"):
             raise ConfigError(f"kv_cache_layout must be nhd or hnd, got {self.kv_cache_layout!r}")
 

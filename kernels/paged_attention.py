@@ -92,6 +92,7 @@ def _paged_attention_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     first_pos = seq_len - q_len
     if FUSED:
+        tl.device_assert(q_len <= 1, "the fused decode launch takes one query token a sequence")
         # Decode rows only (q_len 1): this program's share of the q/k-norm + RoPE kernel
         # (norm_rope.py), for its G query heads and its KV head, from the fused qkv row; q to
         # q_ptr, k and v into the cache at the token's slot. The barrier makes those stores
@@ -385,13 +386,7 @@ def paged_attention(
     (benchmarks/attention_shapes.py); block_n is rounded up to a whole page. A mixed batch is
     one launch: decode rows take a tall tile too (splitting them into a second launch of
     small tiles was slower on the H200; docs/PERFORMANCE.md)."""
-    knobs = dict(
-        block_n=block_n,
-        num_warps=num_warps,
-        num_stages=num_stages,
-        k_rows=k_rows,
-        heads_first=heads_first,
-    )
+    knobs = (block_n, num_warps, num_stages, k_rows, heads_first)
     args = (q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale)
     return _launch(*args, max_query_len, out, None, knobs)
 
@@ -414,13 +409,19 @@ def paged_decode_attention_fused(
     block_tables: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
-    **knobs,
+    block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 3,
+    k_rows: bool = True,
+    heads_first: bool = False,
 ) -> torch.Tensor:
-    """Decode rows only (every sequence has 0 or 1 query token): `qk_norm_rope_store`
-    (kernels/norm_rope.py: q/k RMSNorm + RoPE from the fused qkv `[T, (Hq + 2 Hkv) * D]`,
-    k and v into the cache at `slots`) and `paged_attention` in one launch, each program doing
-    its own heads' share first. Same results as the two launches, bit for bit; tokens of no
-    sequence (padding) get no q and no output row. Knobs as `paged_attention`."""
+    """Decode rows only (every sequence has 0 or 1 query token; more is an error the kernel
+    asserts in debug builds): `qk_norm_rope_store` (kernels/norm_rope.py: q/k RMSNorm + RoPE
+    from the fused qkv `[T, (Hq + 2 Hkv) * D]`, k and v into the cache at `slots`) and
+    `paged_attention` in one launch, each program doing its own heads' share first. The same
+    arithmetic as the two launches (bit for bit under the interpreter; on a GPU the RMSNorm
+    sum may be reduced in another order, so within rounding); tokens of no sequence
+    (padding) get no q and no output row. Knobs as `paged_attention`."""
     t, d = qkv.shape[0], q_weight.shape[0]
     if qkv.shape[1] != (num_heads + 2 * num_kv_heads) * d or not qkv.is_contiguous():
         raise ValueError(f"qkv must be a contiguous [T, {(num_heads + 2 * num_kv_heads) * d}]")
@@ -431,6 +432,7 @@ def paged_decode_attention_fused(
     q = torch.empty(t, num_heads, d, dtype=qkv.dtype, device=qkv.device)
     fused = (qkv, q_weight, k_weight, cos, sin, positions, slots, eps)
     args = (q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale)
+    knobs = (block_n, num_warps, num_stages, k_rows, heads_first)
     return _launch(*args, 1, out, fused, knobs)
 
 
@@ -456,7 +458,7 @@ def _launch(
         out = torch.empty_like(q)
     block_m = query_block_size(max_query_len, group)
     mblocks = triton.cdiv(max(max_query_len, 1), block_m)
-    heads_first = knobs.get("heads_first", False)
+    block_n, num_warps, num_stages, k_rows, heads_first = knobs
     grid = (hkv, mblocks, num_seqs) if heads_first else (num_seqs, mblocks, hkv)
     # the fused prologue's inputs; unused (any tensor) without it
     qkv, qw, kw, cos, sin, positions, slots, eps = fused or (q,) * 7 + (0.0,)
@@ -489,15 +491,15 @@ def _launch(
         D=d,
         PAGE=page,
         BLOCK_M=block_m,
-        BLOCK_N=max(16, page, knobs.get("block_n", 64)),
-        K_ROWS=knobs.get("k_rows", True),
+        BLOCK_N=max(16, page, block_n),
+        K_ROWS=k_rows,
         HEADS_FIRST=heads_first,
         FUSED=fused is not None,
         HQ=hq,
         HKV=hkv,
         FUSED_ROWS=triton.next_power_of_2(group + 2),
-        num_warps=knobs.get("num_warps", 4),
-        num_stages=knobs.get("num_stages", 3),
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     return out
 

@@ -162,11 +162,19 @@ def test_engine_config_good_dtype(dtype):
         {"kv_cache_memory_fraction": 1.0},
         {"codec_graph_max_batch": -1},
         {"kv_cache_layout": "nchw"},
+        {"fused_decode_attention": True, "fused_kernels": False},
+        {"fused_decode_attention": True, "attention_backend": "torch"},
     ],
 )
 def test_engine_config_other_invalid(kwargs):
     with pytest.raises(ConfigError):
         EngineConfig(**kwargs)
+
+
+def test_fused_decode_attention_goes_with_the_triton_backend():
+    assert EngineConfig(fused_decode_attention=True).fused_decode_attention  # auto backend
+    with pytest.raises(ConfigError, match="Triton attention backend"):
+        EngineConfig(device="cuda", attention_backend="varlen", fused_decode_attention=True)
 
 
 def test_varlen_attention_needs_cuda():

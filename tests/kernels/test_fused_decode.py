@@ -88,14 +88,43 @@ def test_fused_decode_equals_norm_rope_store_then_attention(
         qkv, *norm, ours_cache[0], ours_cache[1], slots, *meta, scale, out=out,
         heads_first=heads_first,
     )  # fmt: skip
-    assert torch.equal(ours_cache, expected_cache)  # K/V written where the two launches write
+    if DEVICE == "cpu":  # the interpreter reduces both kernels' RMSNorm sums alike
+        assert torch.equal(ours_cache, expected_cache)  # K/V where the two launches write them
+        assert torch.equal(out[:real], expected[:real])
+    else:  # on a GPU the sum's order follows the tile shape: equal within rounding
+        tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(ours_cache, expected_cache, **tol)
+        torch.testing.assert_close(out[:real], expected[:real], **tol)
     assert not torch.equal(ours_cache[:, 1:], cache[:, 1:])
     assert torch.equal(ours_cache[:, 0], cache[:, 0])  # padding tokens store nothing
-    assert torch.equal(out[:real], expected[:real])
     assert out[real:].isnan().all()  # tokens of no sequence get no output row
     ref = paged_attention_reference(q, expected_cache[0], expected_cache[1], *meta, scale)
     err = float((out[:real].float() - ref[:real].float()).norm() / ref[:real].float().norm())
     assert err <= (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.cuda
+def test_fused_decode_repeated_at_the_higgs_shape_against_the_reference():
+    """Twenty launches on fresh caches at batch 64 (bf16): every output within rounding of the
+    plain torch attention over the two-launch path's q and cache. A missing barrier between
+    the prologue's stores and the attention's loads would show as stale rows here."""
+    for seed in range(20):
+        ctx = [
+            int(c)
+            for c in torch.randint(1, 900, (64,), generator=torch.Generator().manual_seed(seed))
+        ]
+        qkv, cache, positions, slots, meta, real = _decode_batch(
+            ctx, 32, 8, 128, 16, torch.bfloat16, 0, seed
+        )
+        norm = (*_weights(32, 8, 128, torch.bfloat16), positions, 32, 8, 1e-6)
+        two = cache.clone()
+        q = qk_norm_rope_store(qkv, *norm, two, slots)
+        ref = paged_attention_reference(q, two[0], two[1], *meta, 128**-0.5).float()
+        ours = cache.clone()
+        out = paged_decode_attention_fused(qkv, *norm, ours[0], ours[1], slots, *meta, 128**-0.5)
+        torch.testing.assert_close(ours, two, rtol=2e-2, atol=2e-2)
+        err = float((out.float() - ref).norm() / ref.norm())
+        assert err <= 1e-2, (seed, err)
 
 
 def test_fused_decode_refuses_mismatched_inputs():
