@@ -13,11 +13,8 @@ import itertools
 import torch
 import triton.testing
 
-from kernels.paged_attention import (
-    paged_attention,
-    paged_attention_reference,
-    paged_decode_attention,
-)
+from kernels.paged_attention import paged_attention, paged_attention_reference
+from kernels.paged_decode import paged_decode_attention
 
 CASES = {  # name: (query lengths, context lengths, launch bound; 0 = the longest query)
     "decode 64 x 400": ([1] * 64, [399] * 64, 0),

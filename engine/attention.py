@@ -171,7 +171,7 @@ class TritonAttention(_StoreThenAttend):
         store_kv_fused(k, v, kv_cache, slots)
 
     def _splits(self, meta, kv_cache) -> int:
-        from kernels.paged_attention import decode_splits
+        from kernels.paged_decode import decode_splits
 
         return decode_splits(meta.num_seqs, kv_cache.shape[3], self.split_target)
 
@@ -190,7 +190,8 @@ class TritonAttention(_StoreThenAttend):
         return paged_decode_attention_fused(*norm_args, *cache, *index, scale)
 
     def attend(self, q, kv_cache, meta, scale):
-        from kernels.paged_attention import paged_attention, paged_decode_attention
+        from kernels.paged_attention import paged_attention
+        from kernels.paged_decode import paged_decode_attention
 
         if meta.max_query_len == 1:  # decode only: split the context when sequences are few
             splits = self._splits(meta, kv_cache)

@@ -11,6 +11,10 @@ nothing of requests or schedulers: tensors in, tensor out.
 Layouts: q/out `[T, Hq, D]`; k_cache/v_cache `[num_blocks, page, Hkv, D]`; query_start_loc
 `[B + 1]`; seq_lens `[B]` (sequence b's queries are its last q_len positions); block_tables
 `[B, max_pages]`. Sequences with no queries (padding) do nothing.
+
+`paged_decode_attention_fused` runs the same kernel for decode-only batches with the q/k-norm +
+RoPE and K/V store of norm_rope.py as a prologue of each program. Split-KV decode for few
+sequences: paged_decode.py.
 """
 
 from __future__ import annotations
@@ -169,108 +173,6 @@ def _paged_attention_kernel(
     )
 
 
-@triton.jit
-def _decode_split_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    part_o_ptr,
-    part_ml_ptr,
-    qsl_ptr,
-    seq_lens_ptr,
-    bt_ptr,
-    qk_scale,
-    stride_qt,
-    stride_qh,
-    stride_kb,
-    stride_ks,
-    stride_kh,
-    stride_bt,
-    G: tl.constexpr,
-    HQ: tl.constexpr,
-    ROWS: tl.constexpr,
-    D: tl.constexpr,
-    PAGE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    SPLITS: tl.constexpr,
-    K_ROWS: tl.constexpr,
-    HEADS_FIRST: tl.constexpr,
-):
-    # Decode rows only (one query token per sequence): KV range split over SPLITS programs.
-    # Grid (sequences, KV heads, splits), or (KV heads, splits, sequences) with HEADS_FIRST.
-    if HEADS_FIRST:
-        kv_head, split, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    else:
-        seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    q_start = tl.load(qsl_ptr + seq)
-    if tl.load(qsl_ptr + seq + 1) == q_start:
-        return  # a padding sequence
-    seq_len = tl.load(seq_lens_ptr + seq)
-    chunk = tl.cdiv(tl.cdiv(seq_len, SPLITS), BLOCK_N) * BLOCK_N
-    lo = split * chunk
-    hi = tl.minimum(seq_len, lo + chunk)
-    r = tl.arange(0, ROWS)
-    row_ok = r < G
-    head = kv_head * G + r
-    d = tl.arange(0, D)
-    q = tl.load(
-        q_ptr + q_start * stride_qt + head[:, None] * stride_qh + d[None, :],
-        mask=row_ok[:, None],
-        other=0.0,
-    )
-    m_i = tl.full([ROWS], float("-inf"), tl.float32)
-    l_i = tl.zeros([ROWS], tl.float32)
-    acc = tl.zeros([ROWS, D], tl.float32)
-    for start in range(lo, hi, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
-        n_ok = n < hi
-        page = tl.load(bt_ptr + seq * stride_bt + n // PAGE, mask=n_ok, other=0)
-        offs = page.to(tl.int64) * stride_kb + (n % PAGE) * stride_ks + kv_head * stride_kh
-        k = _load_k(k_ptr, offs, d, n_ok, K_ROWS)
-        s = tl.where(n_ok[None, :], tl.dot(q, k) * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + offs[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-    # partials: [num_seqs, Hq, SPLITS, D] (unnormalised) and [num_seqs, Hq, SPLITS, 2] (m, l)
-    base = (seq * HQ + head) * SPLITS + split
-    tl.store(part_o_ptr + base[:, None] * D + d[None, :], acc, mask=row_ok[:, None])
-    tl.store(part_ml_ptr + base * 2, m_i, mask=row_ok)
-    tl.store(part_ml_ptr + base * 2 + 1, l_i, mask=row_ok)
-
-
-@triton.jit
-def _decode_reduce_kernel(
-    part_o_ptr,
-    part_ml_ptr,
-    o_ptr,
-    qsl_ptr,
-    stride_ot,
-    stride_oh,
-    HQ: tl.constexpr,
-    D: tl.constexpr,
-    SPLITS: tl.constexpr,
-):
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    q_start = tl.load(qsl_ptr + seq)
-    if tl.load(qsl_ptr + seq + 1) == q_start:
-        return
-    sp = tl.arange(0, SPLITS)
-    base = (seq * HQ + head) * SPLITS + sp
-    m = tl.load(part_ml_ptr + base * 2)
-    denom = tl.load(part_ml_ptr + base * 2 + 1)
-    m_max = tl.max(m, 0)
-    w = tl.where(denom > 0, tl.exp2(m - m_max), 0.0)  # empty splits (m -inf, denom 0) weigh 0
-    d = tl.arange(0, D)
-    parts = tl.load(part_o_ptr + base[:, None] * D + d[None, :])
-    out = tl.sum(parts * w[:, None], 0) / tl.sum(denom * w, 0)
-    tl.store(o_ptr + q_start * stride_ot + head * stride_oh + d, out.to(o_ptr.dtype.element_ty))
-
-
 def _check_same_strides(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     """The kernels address V with K's strides (one offset per key for both)."""
     if k_cache.stride() != v_cache.stride():
@@ -278,84 +180,6 @@ def _check_same_strides(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
             f"k_cache and v_cache need the same strides, got {k_cache.stride()} and "
             f"{v_cache.stride()} (pass kv_cache[0] and kv_cache[1] of one cache)"
         )
-
-
-def decode_splits(num_seqs: int, num_kv_heads: int, target_programs: int = 264) -> int:
-    """KV splits per sequence for a decode-only launch: enough programs to fill the GPU."""
-    splits = target_programs // max(1, num_seqs * num_kv_heads)
-    return 1 if splits < 2 else min(32, triton.next_power_of_2(splits) // 2 * 2)
-
-
-def paged_decode_attention(
-    q,
-    k_cache,
-    v_cache,
-    query_start_loc,
-    seq_lens,
-    block_tables,
-    scale,
-    splits: int,
-    out=None,
-    block_n: int = 32,
-    num_warps: int = 4,
-    num_stages: int = 2,
-    k_rows: bool = False,
-    heads_first: bool = False,
-):
-    """Decode rows only (every sequence has 0 or 1 query token), split-KV: `splits` programs
-    per (sequence, KV head) each take a slice of the context; a second launch combines them.
-    The launch depends on the number of sequences, never on their lengths. block_n /
-    num_warps / num_stages / k_rows / heads_first (grid order) are tuning knobs
-    (benchmarks/attention_shapes.py)."""
-    num_seqs = seq_lens.shape[0]
-    _, hq, d = q.shape
-    page, hkv = k_cache.shape[1], k_cache.shape[2]
-    group = hq // hkv
-    _check_same_strides(k_cache, v_cache)
-    out = torch.empty_like(q) if out is None else out
-    part_o = torch.empty(num_seqs, hq, splits, d, dtype=torch.float32, device=q.device)
-    part_ml = torch.empty(num_seqs, hq, splits, 2, dtype=torch.float32, device=q.device)
-    grid = (hkv, splits, num_seqs) if heads_first else (num_seqs, hkv, splits)
-    _decode_split_kernel[grid](
-        q,
-        k_cache,
-        v_cache,
-        part_o,
-        part_ml,
-        query_start_loc,
-        seq_lens,
-        block_tables,
-        scale * _LOG2E,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        block_tables.stride(0),
-        G=group,
-        HQ=hq,
-        ROWS=max(16, triton.next_power_of_2(group)),
-        D=d,
-        PAGE=page,
-        BLOCK_N=max(block_n, page),
-        SPLITS=splits,
-        K_ROWS=k_rows,
-        HEADS_FIRST=heads_first,
-        num_warps=num_warps,
-        num_stages=num_stages,
-    )
-    _decode_reduce_kernel[(num_seqs, hq)](
-        part_o,
-        part_ml,
-        out,
-        query_start_loc,
-        out.stride(0),
-        out.stride(1),
-        HQ=hq,
-        D=d,
-        SPLITS=splits,
-    )
-    return out
 
 
 def query_block_size(max_query_len: int, group: int) -> int:

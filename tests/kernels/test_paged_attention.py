@@ -116,7 +116,7 @@ def test_kernel_matches_reference_higgs_shape_bf16(q_lens, ctx_lens, bound, layo
 @pytest.mark.parametrize("ctx_lens", [[5, 0, 17], [40, 1, 130, 0]])
 @pytest.mark.parametrize("layout", ["nhd", "hnd"])
 def test_split_kv_decode_matches_reference(splits, ctx_lens, layout):
-    from kernels.paged_attention import paged_decode_attention
+    from kernels.paged_decode import paged_decode_attention
 
     device = "cuda" if GPU else "cpu"
     q_lens = [1 if c or i % 2 == 0 else 0 for i, c in enumerate(ctx_lens)]
@@ -131,7 +131,7 @@ def test_split_kv_decode_matches_reference(splits, ctx_lens, layout):
 
 
 def test_decode_splits_fill_the_gpu_for_few_sequences():
-    from kernels.paged_attention import decode_splits
+    from kernels.paged_decode import decode_splits
 
     assert decode_splits(64, 8) == 1 and decode_splits(32, 8) == 1
     assert decode_splits(1, 8) == 32 and decode_splits(4, 8) == 8
@@ -142,7 +142,7 @@ def test_decode_splits_fill_the_gpu_for_few_sequences():
     "q_lens_ctx", [([1], [2000]), ([1] * 4, [400, 3, 1000, 64]), ([1] * 16, [399] * 16)]
 )
 def test_split_kv_higgs_shape_bf16(q_lens_ctx):
-    from kernels.paged_attention import decode_splits, paged_decode_attention
+    from kernels.paged_decode import decode_splits, paged_decode_attention
 
     q_lens, ctx = q_lens_ctx
     q, k, v, meta = make_batch(q_lens, ctx, 32, 8, 128, 16, torch.bfloat16, "cuda")
@@ -159,7 +159,7 @@ def test_tuning_knobs_change_speed_not_results(block_n, k_rows, heads_first):
     """Tiles wider than a page (several pages per tile, partly masked at the end), K loaded
     row-major then transposed, and the heads-first grid order give the reference result, on
     both kernels."""
-    from kernels.paged_attention import paged_decode_attention
+    from kernels.paged_decode import paged_decode_attention
 
     device = "cuda" if GPU else "cpu"
     tol = 3e-3 if GPU else 1e-5
@@ -183,7 +183,7 @@ def test_tuning_knobs_change_speed_not_results(block_n, k_rows, heads_first):
 def test_k_and_v_with_different_strides_are_refused():
     """Both kernels address V with K's offsets: a K/V pair from different layouts would read
     the wrong values, so the wrappers refuse it with a message."""
-    from kernels.paged_attention import paged_decode_attention
+    from kernels.paged_decode import paged_decode_attention
 
     device = "cuda" if GPU else "cpu"
     q, k, v, meta = make_batch([1, 1], [5, 9], 4, 2, 16, 4, torch.float32, device)
