@@ -162,7 +162,8 @@ class EngineConfig:
     # [blocks, heads, page, dim] (one head's page contiguous). Backends see the same shape.
     kv_cache_layout: str = "nhd"
     enable_prefix_caching: bool = True
-    # auto: triton on CUDA, torch on the CPU; varlen: PyTorch's FlashAttention (CUDA, eager)
+    # auto: triton on CUDA, torch on the CPU; varlen: PyTorch's FlashAttention; flash: the
+    # flash-attn package (optional extra). varlen and flash: CUDA, eager (no graphs).
     attention_backend: str = "auto"
     fused_kernels: bool = True  # Triton norm/RoPE/SiLU and codec Snake on CUDA; False: torch
     # With fused kernels and the Triton backend: decode-only steps of enough sequences run
@@ -211,19 +212,21 @@ class EngineConfig:
             raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ConfigError("num_kv_blocks must be >= 2 (block 0 is reserved for padding)")
-        if self.attention_backend not in ("auto", "torch", "triton", "varlen"):
+        if self.attention_backend not in ("auto", "torch", "triton", "varlen", "flash"):
             raise ConfigError(
-                "attention_backend must be auto/torch/triton/varlen, got "
+                "attention_backend must be auto/torch/triton/varlen/flash, got "
                 f"{self.attention_backend!r}"
             )
-        if self.attention_backend == "varlen" and self.device == "cpu":
-            raise ConfigError("attention_backend 'varlen' (PyTorch FlashAttention) needs CUDA")
+        if self.attention_backend in ("varlen", "flash") and self.device == "cpu":
+            raise ConfigError(
+                f"attention_backend {self.attention_backend!r} (FlashAttention) needs CUDA"
+            )
         if not 0.0 < self.kv_cache_memory_fraction < 1.0:
             raise ConfigError("kv_cache_memory_fraction must be in (0, 1)")
         if self.codec_graph_max_batch is not None and self.codec_graph_max_batch < 0:
             raise ConfigError("codec_graph_max_batch must be >= 0 (0: no codec graphs)")
         if self.fused_decode_attention and (
-            not self.fused_kernels or self.attention_backend in ("torch", "varlen")
+            not self.fused_kernels or self.attention_backend in ("torch", "varlen", "flash")
         ):
             raise ConfigError(
                 "fused_decode_attention needs fused_kernels and the Triton attention backend"

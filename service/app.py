@@ -62,6 +62,7 @@ class Services:
                     max_num_seqs=self.settings.max_num_seqs,
                     max_num_batched_tokens=max(512, self.settings.max_num_seqs),
                     cuda_graphs=self.settings.cuda_graphs,
+                    attention_backend=self.settings.attention_backend,
                 ),
                 codec=self.settings.codec,
                 cache_dir=self.settings.cache_dir,

@@ -65,6 +65,7 @@ class ServiceSettings:
     allowed_origins: tuple[str, ...] = ()
     max_num_seqs: int = 64
     cuda_graphs: bool = True
+    attention_backend: str = "auto"  # EngineConfig.attention_backend (auto: Triton on CUDA)
     gil_switch_ms: float = 0.5
     limits: Limits = field(default_factory=Limits)
 
@@ -82,6 +83,7 @@ class ServiceSettings:
             allowed_origins=_split(env.get("CLONECAST_ALLOWED_ORIGINS")),
             max_num_seqs=int(env.get("CLONECAST_MAX_NUM_SEQS", 64)),
             cuda_graphs=env.get("CLONECAST_EAGER", "0") not in ("1", "true", "yes"),
+            attention_backend=env.get("CLONECAST_ATTENTION_BACKEND", "auto"),
             gil_switch_ms=_positive_ms(env.get("CLONECAST_GIL_SWITCH_MS", "0.5")),
             limits=Limits(max_connections=int(env.get("CLONECAST_MAX_CONNECTIONS", 256))),
         )

@@ -177,12 +177,13 @@ def test_fused_decode_attention_goes_with_the_triton_backend():
         EngineConfig(device="cuda", attention_backend="varlen", fused_decode_attention=True)
 
 
-def test_varlen_attention_needs_cuda():
+@pytest.mark.parametrize("backend", ["varlen", "flash"])
+def test_flash_attention_backends_need_cuda(backend):
     with pytest.raises(ConfigError, match="needs CUDA"):
-        EngineConfig(attention_backend="varlen")
-    assert EngineConfig(device="cuda", attention_backend="varlen").attention_backend == "varlen"
-    with pytest.raises(ConfigError, match="auto/torch/triton/varlen"):
-        EngineConfig(attention_backend="flash")
+        EngineConfig(attention_backend=backend)
+    assert EngineConfig(device="cuda", attention_backend=backend).attention_backend == backend
+    with pytest.raises(ConfigError, match="auto/torch/triton/varlen/flash"):
+        EngineConfig(attention_backend="flash3")
 
 
 # -- ModelConfig.from_checkpoint_config -----------------------------------------------------

@@ -23,3 +23,17 @@ def test_eager_flag_and_capacity(monkeypatch):
     monkeypatch.setenv("CLONECAST_MAX_NUM_SEQS", "128")
     settings = ServiceSettings.from_env()
     assert settings.cuda_graphs is False and settings.max_num_seqs == 128
+
+
+def test_attention_backend_is_passed_to_the_engine(monkeypatch):
+    """CLONECAST_ATTENTION_BACKEND selects a FlashAttention backend where present; a bad
+    value or one this machine cannot run is the engine's configuration error at start."""
+    from engine import ConfigError, EngineConfig
+
+    monkeypatch.delenv("CLONECAST_ATTENTION_BACKEND", raising=False)
+    assert ServiceSettings.from_env().attention_backend == "auto"
+    monkeypatch.setenv("CLONECAST_ATTENTION_BACKEND", "flash")
+    settings = ServiceSettings.from_env()
+    assert settings.attention_backend == "flash"
+    with pytest.raises(ConfigError, match="needs CUDA"):
+        EngineConfig(device="cpu", attention_backend=settings.attention_backend)
