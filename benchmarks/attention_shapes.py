@@ -13,8 +13,13 @@ import itertools
 import torch
 import triton.testing
 
-from kernels.paged_attention import paged_attention, paged_attention_reference
-from kernels.paged_decode import paged_decode_attention
+from kernels.norm_rope import qk_norm_rope_store
+from kernels.paged_attention import (
+    paged_attention,
+    paged_attention_reference,
+    paged_decode_attention_fused,
+)
+from kernels.paged_decode import decode_splits, paged_decode_attention
 
 CASES = {  # name: (query lengths, context lengths, launch bound; 0 = the longest query)
     "decode 64 x 400": ([1] * 64, [399] * 64, 0),
@@ -148,6 +153,51 @@ def main() -> None:
     print("\n{:<19}{:>9}{:>11}{:>8}{:>7}{:>9}  {:<39}{:>9}".format(*head, "floor us"))
     for name, o, d, h, hf, b, cfg, fl in rows:
         print(f"{name:<19}{o:>9.1f}{d:>11.1f}{h:>8.1f}{hf:>7.1f}{b:>9.1f}  {cfg:<39}{fl:>9.1f}")
+    fused_table(wanted)
+
+
+def fused_table(wanted):
+    """Decode cases the one-pass kernel serves (no context split): q/k-norm + RoPE with the
+    K/V store then attention, as two launches and as one (`fused_decode_attention`)."""
+    from engine.model import RotaryEmbedding
+
+    print(
+        "\ncase                two launches us  fused us  (q/k-norm + RoPE + K/V store + attention)"
+    )
+    rope = RotaryEmbedding(128, 1e6, 4096).to("cuda")
+    for name, (q_lens, ctx, _) in CASES.items():
+        decode = max(q_lens) == 1 and decode_splits(len(q_lens), 8) == 1
+        if decode and (not wanted or name.replace(" ", "_") in wanted):
+            two, one = _fused_case(q_lens, ctx, rope)
+            print(f"{name:<19}{two:>16.1f}{one:>10.1f}")
+
+
+def _fused_case(q_lens, ctx, rope) -> tuple[float, float]:
+    """(two launches us, fused us) for one decode case."""
+    (_, k, v, qsl, lens, tables), _ = make(q_lens, ctx)
+    page = k.shape[1]
+    positions = torch.tensor(ctx, device="cuda")
+    rows = torch.arange(len(ctx), device="cuda")
+    slots = tables[rows, positions // page].long() * page + positions % page
+    qkv = torch.randn(len(ctx), 48 * 128, device="cuda", dtype=torch.bfloat16)
+    weight = torch.ones(128, device="cuda", dtype=torch.bfloat16)
+    norm = (weight, weight, rope.cos, rope.sin, positions, 32, 8, 1e-6)
+    cache = torch.stack([k, v])
+    index = (qsl, lens, tables)
+
+    def two():
+        q = qk_norm_rope_store(qkv, *norm, cache, slots)
+        return paged_attention(q, cache[0], cache[1], *index, 128**-0.5, 1)
+
+    def one():
+        return paged_decode_attention_fused(
+            qkv, *norm, cache[0], cache[1], slots, *index, 128**-0.5
+        )
+
+    err = float((one().float() - two().float()).norm() / two().float().norm())
+    assert err <= 1e-2, err
+    t2 = triton.testing.do_bench(two, return_mode="median") * 1e3
+    return t2, triton.testing.do_bench(one, return_mode="median") * 1e3
 
 
 if __name__ == "__main__":
