@@ -220,61 +220,55 @@ class TritonAttention(_StoreThenAttend):
         )
 
 
-def pack_context(kv_cache: torch.Tensor, meta: AttentionMetadata):
-    """Each sequence's whole context gathered from the paged cache into one packed K/V
-    `[2, B * W + 1, Hkv, D]` (W = `max_seq_len`; sequence b at rows `cu_k[b]:cu_k[b + 1]`, the
-    last row a spare for the padding positions) and `cu_k` `[B + 1]` int32. No host sync: the
-    buffer is sized by `num_seqs * max_seq_len`, the cumulative lengths computed on the
-    device."""
-    b = meta.num_seqs
-    _, _, block_size, hkv, d = kv_cache.shape
-    width = meta.max_seq_len
-    lens = meta.seq_lens[:b].long()
-    cu_k = torch.zeros(b + 1, dtype=torch.int32, device=kv_cache.device)
-    torch.cumsum(lens, 0, out=cu_k[1:])
-    pos = torch.arange(width, device=kv_cache.device)
-    valid = pos[None, :] < lens[:, None]  # [B, W]
-    tables = meta.block_tables[:b, : -(-width // block_size)].long()
-    blocks = tables[:, pos // block_size].reshape(-1)  # [B * W]
-    rows = (pos % block_size).repeat(b)
-    dest = torch.where(valid, cu_k[:b, None].long() + pos[None, :], b * width)  # spare row
-    packed = kv_cache.new_empty(2, b * width + 1, hkv, d)
-    packed[:, dest.reshape(-1)] = kv_cache[:, blocks, rows]
-    return packed, cu_k
+class _PackedContext(_StoreThenAttend):
+    """Backends whose kernel takes packed K/V, not pages: `attend` gathers each sequence's
+    whole context from the cache into one packed tensor (extra reads and writes of the
+    context, so these are comparison backends) and calls `_varlen` with the cumulative query
+    and key lengths; causal, queries aligned to the end of their sequence. Eager only: the
+    packed length changes every step, and the engine captures graphs for the Triton backend
+    alone. No host sync: the packed buffer is sized by `num_seqs * max_seq_len`, sequences
+    placed at the cumulative lengths computed on the device."""
 
-
-class VarlenAttention(_StoreThenAttend):
-    """PyTorch's FlashAttention variable-length kernel (`torch.nn.attention.varlen`, CUDA,
-    bf16/fp16). In torch 2.11 it takes packed K/V, not pages: every layer gathers each
-    sequence's whole context from the cache into one packed tensor (`pack_context`: extra
-    reads and writes of the context), so this is a comparison backend. Eager only: the packed
-    length changes every step, and the engine captures graphs for the Triton backend alone."""
-
-    name = "varlen"
+    def _varlen(self, q, k, v, cu_q, cu_k, max_q, max_k, scale):
+        raise NotImplementedError
 
     def attend(self, q, kv_cache, meta, scale):
-        from torch.nn.attention.varlen import varlen_attn
-
         b, t = meta.num_seqs, meta.num_tokens
-        packed, cu_k = pack_context(kv_cache, meta)
-        return varlen_attn(
-            q[:t],
-            packed[0],
-            packed[1],
-            meta.query_start_loc[: b + 1].to(torch.int32),
-            cu_k,
-            meta.max_query_len,
-            meta.max_seq_len,
-            scale=scale,
-            window_size=(-1, 0),  # causal, queries aligned to the end of their sequence
+        _, _, block_size, hkv, d = kv_cache.shape
+        width = meta.max_seq_len
+        lens = meta.seq_lens[:b].long()
+        cu_k = torch.zeros(b + 1, dtype=torch.int32, device=q.device)
+        torch.cumsum(lens, 0, out=cu_k[1:])
+        pos = torch.arange(width, device=q.device)
+        valid = pos[None, :] < lens[:, None]  # [B, W]
+        tables = meta.block_tables[:b, : -(-width // block_size)].long()
+        blocks = tables[:, pos // block_size].reshape(-1)  # [B * W]
+        rows = (pos % block_size).repeat(b)
+        dest = torch.where(valid, cu_k[:b, None].long() + pos[None, :], b * width)  # spare row
+        packed = kv_cache.new_empty(2, b * width + 1, hkv, d)
+        packed[:, dest.reshape(-1)] = kv_cache[:, blocks, rows]
+        cu_q = meta.query_start_loc[: b + 1].to(torch.int32)
+        return self._varlen(
+            q[:t], packed[0], packed[1], cu_q, cu_k, meta.max_query_len, width, scale
         )
 
 
-class FlashAttnAttention(_StoreThenAttend):
+class VarlenAttention(_PackedContext):
+    """PyTorch's FlashAttention variable-length kernel (`torch.nn.attention.varlen`, CUDA,
+    bf16/fp16; in torch 2.11 it takes packed K/V, not pages)."""
+
+    name = "varlen"
+
+    def _varlen(self, q, k, v, cu_q, cu_k, max_q, max_k, scale):
+        from torch.nn.attention.varlen import varlen_attn
+
+        return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=(-1, 0))
+
+
+class FlashAttnAttention(_PackedContext):
     """The flash-attn package's variable-length kernel (`flash_attn_varlen_func`; the optional
-    `flash` extra, CUDA, bf16/fp16), on the same packed context as `VarlenAttention` (its own
-    paged mode needs pages of 256 tokens). Causal masks align to the end of each sequence
-    (flash-attn >= 2.1), which is where a step's queries sit. Eager only, like `varlen`."""
+    `flash` extra, CUDA, bf16/fp16), on the packed context (its own paged mode needs pages of
+    256 tokens). Causal masks align to the end of each sequence (flash-attn >= 2.1)."""
 
     name = "flash"
 
@@ -286,22 +280,10 @@ class FlashAttnAttention(_StoreThenAttend):
                 "attention_backend 'flash' needs the flash-attn package "
                 "(pip install 'clonecast[flash]' on a CUDA machine)"
             ) from exc
-        self._varlen = flash_attn_varlen_func
+        self._kernel = flash_attn_varlen_func
 
-    def attend(self, q, kv_cache, meta, scale):
-        b, t = meta.num_seqs, meta.num_tokens
-        packed, cu_k = pack_context(kv_cache, meta)
-        return self._varlen(
-            q[:t],
-            packed[0],
-            packed[1],
-            meta.query_start_loc[: b + 1].to(torch.int32),
-            cu_k,
-            meta.max_query_len,
-            meta.max_seq_len,
-            softmax_scale=scale,
-            causal=True,
-        )
+    def _varlen(self, q, k, v, cu_q, cu_k, max_q, max_k, scale):
+        return self._kernel(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=scale, causal=True)
 
 
 BACKENDS = {
