@@ -134,3 +134,9 @@ def test_fused_decode_refuses_mismatched_inputs():
         paged_decode_attention_fused(qkv, *norm, cache[0], cache[1], slots[:1], *meta, 0.25)
     with pytest.raises(ValueError, match="qkv must be"):
         paged_decode_attention_fused(qkv[:, :-16], *norm, cache[0], cache[1], slots, *meta, 0.25)
+    with pytest.raises(ValueError, match="k_cache must be"):  # head_dim last, contiguous
+        k_dim_major = cache[0].transpose(2, 3).contiguous().transpose(2, 3)
+        paged_decode_attention_fused(qkv, *norm, k_dim_major, k_dim_major, slots, *meta, 0.25)
+    with pytest.raises(ValueError, match="same strides"):  # V laid out unlike K
+        v_head_major = cache[1].permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
+        paged_decode_attention_fused(qkv, *norm, cache[0], v_head_major, slots, *meta, 0.25)
