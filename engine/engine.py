@@ -75,7 +75,7 @@ class Engine:
             backend = "triton" if device.type == "cuda" else "torch"
         fused = device.type == "cuda" and config.fused_kernels
         attention = make_backend(backend)
-        attention.fuse_decode = config.fused_decode_attention
+        attention.fuse_decode = config.fused_decode_attention is not False  # where it applies
         self.model, self.codec_keys = load_model(checkpoint, attention, device, dtype, fused)
         if config.max_model_len > self.model.config.max_position_embeddings:
             raise ConfigError(

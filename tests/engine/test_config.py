@@ -173,6 +173,10 @@ def test_engine_config_other_invalid(kwargs):
 
 def test_fused_decode_attention_goes_with_the_triton_backend():
     assert EngineConfig(fused_decode_attention=True).fused_decode_attention  # auto backend
+    # the default (None) applies where it can and is no error where it cannot
+    assert EngineConfig().fused_decode_attention is None
+    EngineConfig(fused_kernels=False)
+    EngineConfig(device="cuda", attention_backend="varlen")
     with pytest.raises(ConfigError, match="Triton attention backend"):
         EngineConfig(device="cuda", attention_backend="varlen", fused_decode_attention=True)
 
