@@ -1,10 +1,14 @@
 """The engine alone under the served load, without the server: a closed loop of C voice-clone
 requests (a finished one is replaced at once), output lengths from the served benchmark's
 distribution. Prints, per C: audio-s/s, steps/s, mean step time, host time inside `step()`
-and rows per step; with `--profile`, torch.profiler tables of a 30-step steady-state window
+rows per step and the engine thread's CPU time per step; with `--gil-load F`, a second
+Python thread holds the interpreter a fraction F of the time in bursts (as the server's event
+loop does beside the engine thread), to measure what sharing the GIL costs the step; with
+`--profile`, torch.profiler tables of a 30-step steady-state window
 and its wall time, to set kernel time against the host's share of the step.
 
     python benchmarks/engine_loop.py --model DIR [--concurrency 1,64] [--profile FILE]
+        [--gil-load 0.3 --gil-burst-us 300]
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import dataclasses
 import gc
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -52,6 +57,7 @@ def run(engine, reference, concurrency: int, warmup_s: float, timed_s: float, pr
             timing, t0 = True, now
             steps = rows = 0
             audio_s = inside = 0.0
+            cpu0 = time.thread_time()
             phases0 = engine.stats.phase_seconds_total
             if profile:
                 prof = torch.profiler.profile(
@@ -76,6 +82,7 @@ def run(engine, reference, concurrency: int, warmup_s: float, timed_s: float, pr
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0
+    cpu = time.thread_time() - cpu0
     phases1 = engine.stats.phase_seconds_total
     summary = None
     if prof is not None:
@@ -97,9 +104,23 @@ def run(engine, reference, concurrency: int, warmup_s: float, timed_s: float, pr
         "step_ms": 1e3 * wall / max(1, steps),
         "inside_ms": 1e3 * inside / max(1, steps),
         "rows_per_step": rows / max(1, steps),
+        "cpu_ms": 1e3 * cpu / max(1, steps),  # the engine thread's CPU time
         # ms per step in each part of step() (engine.STEP_PHASES)
         "phase_ms": [1e3 * (b - a) / max(1, steps) for a, b in zip(phases0, phases1, strict=True)],
     }, summary
+
+
+def gil_load(fraction: float, burst_us: float, stop: threading.Event) -> None:
+    """Holds the GIL (pure-Python work) `fraction` of the time in bursts of `burst_us`,
+    sleeping in between (sleeping releases it): a stand-in for an event loop's callbacks."""
+    burst = burst_us * 1e-6
+    pause = burst * (1.0 - fraction) / fraction
+    while not stop.is_set():
+        end = time.perf_counter() + burst
+        x = 0
+        while time.perf_counter() < end:
+            x += 1
+        time.sleep(pause)
 
 
 def main() -> None:
@@ -122,7 +143,11 @@ def main() -> None:
         metavar="FIELD=VALUE",
         help="an EngineConfig field for this run, e.g. sampler_noise_kernel=true (repeatable)",
     )
+    ap.add_argument("--gil-load", type=float, default=0.0, help="second thread's GIL share")
+    ap.add_argument("--gil-burst-us", type=float, default=300.0)
     args = ap.parse_args()
+    if not 0.0 <= args.gil_load < 1.0:
+        raise SystemExit("--gil-load is a fraction in [0, 1)")
     model = None if args.model == "default" else args.model
     if model is not None:
         write_full(Path(model))
@@ -138,6 +163,11 @@ def main() -> None:
     gc.collect()  # as the server does once it is ready
     gc.freeze()
     gc.set_threshold(20_000, 20, 20)
+    stop = threading.Event()
+    if args.gil_load > 0:
+        threading.Thread(
+            target=gil_load, args=(args.gil_load, args.gil_burst_us, stop), daemon=True
+        ).start()
     results = []
     for mode in args.modes.split(","):
         engine.config = dataclasses.replace(engine.config, async_scheduling=mode == "async")
@@ -145,6 +175,7 @@ def main() -> None:
             res, _ = run(engine, reference, c, args.warmup_s, args.timed_s, False)
             results.append({"mode": mode, **res})
             print(results[-1], flush=True)
+    stop.set()
     if args.profile:
         engine.config = dataclasses.replace(engine.config, async_scheduling=True)
         _, summary = run(engine, reference, max(cs), 3.0, 0.0, True)
@@ -152,13 +183,14 @@ def main() -> None:
         print(summary.splitlines()[-1])
     from engine import STEP_PHASES
 
-    head = ("mode", "C", "audio-s/s", "steps/s", "step ms", "in step", "rows")
-    print("\n{:<6}{:>4}{:>11}{:>9}{:>9}{:>9}{:>7}  ".format(*head) + " ".join(STEP_PHASES))
+    head = ("mode", "C", "audio-s/s", "steps/s", "step ms", "in step", "cpu", "rows")
+    print(f"\n(gil load {args.gil_load:g}, bursts of {args.gil_burst_us:g} us)")
+    print("{:<6}{:>4}{:>11}{:>9}{:>9}{:>9}{:>7}{:>7}  ".format(*head) + " ".join(STEP_PHASES))
     for r in results:
         print(
             f"{r['mode']:<6}{r['C']:>4}{r['audio_s_per_s']:>11.1f}{r['steps_per_s']:>9.1f}"
-            f"{r['step_ms']:>9.2f}{r['inside_ms']:>9.2f}{r['rows_per_step']:>7.1f}  "
-            + " ".join(f"{ms:.2f}" for ms in r["phase_ms"])
+            f"{r['step_ms']:>9.2f}{r['inside_ms']:>9.2f}{r['cpu_ms']:>7.2f}"
+            f"{r['rows_per_step']:>7.1f}  " + " ".join(f"{ms:.2f}" for ms in r["phase_ms"])
         )
 
 
