@@ -28,7 +28,7 @@ from engine.codec.codec_graphs import CodecGraphs
 from engine.config import ConfigError, EngineConfig, SamplingParams, VoiceReference
 from engine.cuda_graphs import CudaGraphs, SamplerGraphs
 from engine.loader import load_model, resolve_checkpoint
-from engine.prompt import AudioRow, build_prompt
+from engine.prompt import AudioRow, TextChecker, build_prompt
 from engine.request import FinishReason, Request
 from engine.runner import ModelRunner, PendingStep
 from engine.scheduler import Scheduler
@@ -171,12 +171,7 @@ class Engine:
     def check_text(self, text: str, reference: VoiceReference | None = None) -> None:
         """Raises ConfigError if `text` cannot be spoken (empty, structural tokens, too long
         for `max_model_len`); lets callers reject input before queueing anything."""
-        prompt = build_prompt(self.tokenizer, self.tokenizer.special, text, reference)
-        if len(prompt) + 1 > self.config.max_model_len:
-            raise ConfigError(
-                f"the prompt has {len(prompt)} positions; max_model_len is "
-                f"{self.config.max_model_len}: shorten the text or the reference"
-            )
+        TextChecker(self.tokenizer, self.config.max_model_len)(text, reference)
 
     def encode_reference(
         self,

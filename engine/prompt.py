@@ -123,3 +123,21 @@ def build_prompt(
     ids += [*text_ids, special.audio]
     rows += [None] * (len(text_ids) + 1)
     return Prompt(tuple(ids), tuple(rows), prefix_len)
+
+
+class TextChecker:
+    """`Engine.check_text` without the engine (a process that holds no model uses it): raises
+    ConfigError if `text` cannot be spoken (empty, structural tokens, a prompt too long for
+    `max_model_len`). `tokenizer` has `.encode` and `.special`."""
+
+    def __init__(self, tokenizer, max_model_len: int):
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+
+    def __call__(self, text: str, reference: VoiceReference | None = None) -> None:
+        prompt = build_prompt(self.tokenizer, self.tokenizer.special, text, reference)
+        if len(prompt) + 1 > self.max_model_len:
+            raise ConfigError(
+                f"the prompt has {len(prompt)} positions; max_model_len is "
+                f"{self.max_model_len}: shorten the text or the reference"
+            )

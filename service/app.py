@@ -1,11 +1,11 @@
-"""The Starlette application: builds the engine and its worker thread at start-up, warms it
-up before `/ready`, and serves the WebSocket protocol and the HTTP API."""
+"""The Starlette application: starts the engine (in its own process by default, or in a
+worker thread) at start-up, warms it up before `/ready`, and serves the WebSocket protocol
+and the HTTP API."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import sys
 
@@ -23,6 +23,7 @@ from engine import (
     default_device,
 )
 from service.config import ServiceSettings
+from service.engine_process import EngineProcess, EngineSpec
 from service.http_api import (
     health,
     list_voices,
@@ -35,50 +36,69 @@ from service.http_api import (
 )
 from service.metrics import Metrics
 from service.voices import Voice, VoiceStore, voice_id_for
-from service.worker import EngineWorker
+from service.worker import EngineWorker, settle_garbage_collector
 from service.ws import stream_endpoint
 
 log = logging.getLogger("clonecast.app")
 
 
 class Services:
-    """Everything the handlers share: settings, engine worker, voices, metrics."""
+    """Everything the handlers share: settings, the engine (through its worker), voices,
+    metrics. The handlers reach the engine only through `worker` (an `EngineProcess` by
+    default, an `EngineWorker` thread when an engine object is given or
+    `settings.engine_process` is off)."""
 
     def __init__(self, settings: ServiceSettings, engine: Engine | None = None):
         self.settings = settings
         self.metrics = Metrics()
         self.voices = VoiceStore(settings.limits.max_voices)
-        self.engine = engine
-        self.worker: EngineWorker | None = None
+        self.engine = engine  # in-process engine only
+        self.worker: EngineWorker | EngineProcess | None = None
         self.is_ready = False
         self.connections = 0
 
     def start(self) -> None:
-        if self.engine is None:
-            self.engine = Engine.from_pretrained(
+        if self.engine is None and self.settings.engine_process:
+            spec = EngineSpec(
                 self.settings.model,
-                EngineConfig(
-                    device=_device(self.settings.device),
-                    max_num_seqs=self.settings.max_num_seqs,
-                    max_num_batched_tokens=max(512, self.settings.max_num_seqs),
-                    cuda_graphs=self.settings.cuda_graphs,
-                    attention_backend=self.settings.attention_backend,
-                ),
-                codec=self.settings.codec,
-                cache_dir=self.settings.cache_dir,
+                self._engine_config(),
+                self.settings.codec,
+                self.settings.cache_dir,
+                self.settings.gil_switch_ms,
+                logging.getLogger("clonecast").getEffectiveLevel(),
             )
-        if self.engine.codec is None:
+            self.worker = EngineProcess(spec, on_step=self._on_step)
+        else:
+            if self.engine is None:
+                self.engine = Engine.from_pretrained(
+                    self.settings.model,
+                    self._engine_config(),
+                    codec=self.settings.codec,
+                    cache_dir=self.settings.cache_dir,
+                )
+            self.worker = EngineWorker(self.engine, on_step=self._on_step)
+        self.worker.start()
+        info = self.worker.info
+        if not info.has_codec:
+            self.worker.stop()
             raise ConfigError(
                 "the service needs a codec: the checkpoint bundles none; set CLONECAST_CODEC"
             )
-        for report in self.engine.capture_reports:
+        for report in info.capture_reports:
             self.metrics.capture_seconds.labels(report.family).set(report.seconds)
             self.metrics.capture_memory.labels(report.family, "allocated").set(
                 report.allocated_bytes
             )
             self.metrics.capture_memory.labels(report.family, "reserved").set(report.reserved_bytes)
-        self.worker = EngineWorker(self.engine, on_step=self._on_step)
-        self.worker.start()
+
+    def _engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            device=_device(self.settings.device),
+            max_num_seqs=self.settings.max_num_seqs,
+            max_num_batched_tokens=max(512, self.settings.max_num_seqs),
+            cuda_graphs=self.settings.cuda_graphs,
+            attention_backend=self.settings.attention_backend,
+        )
 
     def _on_step(self, seconds: float, stats) -> None:
         self.metrics.step.observe(seconds)
@@ -100,8 +120,8 @@ class Services:
         result = await done
         if isinstance(result, BaseException):
             raise result
-        self.metrics.update_engine(self.engine.stats)
-        _settle_garbage_collector()
+        self.metrics.update_engine(self.worker.stats)
+        settle_garbage_collector()
         # The engine thread and the event loop share one interpreter lock: with Python's
         # 5 ms switch interval every socket operation of the event loop can wait up to 5 ms
         # behind a busy engine thread (a convoy that delays requests and audio).
@@ -114,17 +134,15 @@ class Services:
         existing = self.voices.get(voice_id)
         if existing is not None:
             return existing, True
-        loop = asyncio.get_running_loop()
-        reference = await loop.run_in_executor(
-            self.worker.encoder_pool, lambda: self.engine.encode_reference(data, transcript)
-        )
-        self.metrics.update_engine(self.engine.stats)
+        reference = await asyncio.wrap_future(self.worker.encode_reference(data, transcript))
+        self.metrics.update_engine(self.worker.stats)
         return self.voices.put(voice_id, reference), False
 
     def model_info(self) -> dict:
-        untrained = bool(self.engine and self.engine.is_default_model)
+        info = self.worker.info
+        untrained = info.is_default_model
         return {
-            "name": "embedded-default (untrained)" if untrained else str(self.engine.checkpoint),
+            "name": "embedded-default (untrained)" if untrained else info.checkpoint,
             "untrained": untrained,
             "notice": UNTRAINED_NOTICE if untrained else None,
         }
@@ -176,17 +194,6 @@ def create_app(settings: ServiceSettings | None = None, engine: Engine | None = 
     app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
     app.state.services = services
     return app
-
-
-def _settle_garbage_collector() -> None:
-    """Once everything is loaded: the start-up objects (model, tokenizer, graphs) move to
-    the permanent generation, and young collections run less often. Without this, a full
-    collection now and then scans every request's rows and stalls one engine step by several
-    milliseconds (measured on the CPU: a step's row bookkeeping at 256 streams took 7.9 ms
-    with a full collection in it, 0.9 ms without; docs/PERFORMANCE.md)."""
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(20_000, 20, 20)
 
 
 def uvicorn_options(settings: ServiceSettings) -> dict:

@@ -56,13 +56,15 @@ async def ready(request: Request) -> Response:
     services = _services(request)
     if not services.is_ready:
         return error("not_ready", "the model is loading or warming up")
+    if not services.worker.alive:
+        return error("not_ready", "the engine stopped; the server needs a restart")
     return JSONResponse({"status": "ready", "model": services.model_info()})
 
 
 async def metrics(request: Request) -> Response:
     services = _services(request)
-    if services.engine is not None:
-        services.metrics.update_engine(services.engine.stats)
+    if services.worker is not None and services.worker.stats is not None:
+        services.metrics.update_engine(services.worker.stats)
     return Response(services.metrics.render(), media_type="text/plain; version=0.0.4")
 
 
@@ -194,7 +196,7 @@ def _speech_job(body: dict, services) -> dict:
         params, fmt = parse_params(sampling, output)
         segments = split_text(text, limits.max_segment_chars)
         for segment in segments:
-            services.engine.check_text(segment, reference)
+            services.worker.check_text(segment, reference)
     except ProtocolError as exc:
         raise _BadInput(exc.code, str(exc)) from exc
     except ConfigError as exc:
@@ -216,9 +218,12 @@ async def _generate(services, job: dict):
 
         finished = False
         try:
-            await asyncio.wrap_future(
-                services.worker.submit(request_id, text, job["reference"], job["params"], sink)
-            )
+            try:
+                await asyncio.wrap_future(
+                    services.worker.submit(request_id, text, job["reference"], job["params"], sink)
+                )
+            except RuntimeError as exc:  # the engine process is gone
+                raise ConfigError(f"generation failed: {exc}") from exc
             while not finished:
                 out = await queue.get()
                 if isinstance(out, BaseException) or out.finish_reason == "error":

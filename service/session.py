@@ -207,7 +207,7 @@ class Session:
         segments = split_text(text, self.limits.max_segment_chars)
         try:
             for segment in segments:
-                self.services.engine.check_text(segment, utt.voice)
+                self.services.worker.check_text(segment, utt.voice)
         except ConfigError as exc:
             self._end(utt, State.FAILED)
             raise ProtocolError("bad_request", str(exc), utt.id) from exc

@@ -66,9 +66,12 @@ def model_cache(tmp_path_factory):
 def make_server(model_cache):
     servers = []
 
-    def make(api_keys=(), allowed_origins=(), max_num_seqs=16, **limits) -> RunningServer:
+    def make(
+        api_keys=(), allowed_origins=(), max_num_seqs=16, engine_process=True, **limits
+    ) -> RunningServer:
         settings = ServiceSettings(
             device="cpu",
+            engine_process=engine_process,
             cache_dir=model_cache,
             api_keys=tuple(api_keys),
             allowed_origins=tuple(allowed_origins),
@@ -163,8 +166,8 @@ def _engines_idle_after_test():
     yield
     deadline = time.monotonic() + 20
     for server in list(LIVE_SERVERS):
-        engine = server.services.engine
-        while engine is not None and engine.has_unfinished() and time.monotonic() < deadline:
+        worker = server.services.worker
+        while worker is not None and worker.has_unfinished() and time.monotonic() < deadline:
             time.sleep(0.05)
 
 
@@ -268,7 +271,7 @@ def scrape(server) -> dict[str, float]:
 
 def wait_engine_idle(server, timeout: float = 15.0) -> dict[str, float]:
     """Polls /metrics until no request runs or waits and every KV block is free again."""
-    total = server.services.engine.stats.num_kv_blocks
+    total = server.services.worker.stats.num_kv_blocks
     deadline = time.monotonic() + timeout
     while True:
         m = scrape(server)

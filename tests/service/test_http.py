@@ -89,7 +89,7 @@ def test_metrics_exposition(server):
     ):
         assert f"# TYPE {name}_total counter" in text
     m = scrape(server)
-    total = server.services.engine.stats.num_kv_blocks
+    total = server.services.worker.stats.num_kv_blocks
     assert m["clonecast_kv_cache_free_blocks"] == total
     assert m["clonecast_kv_cache_usage_perc"] == 0
     assert m["clonecast_num_requests_running"] == 0

@@ -114,7 +114,8 @@ def test_http_voice_with_a_bad_transcript_is_400(server):
     assert r.status_code == 400
 
 
-def test_a_cancelled_wait_never_starts_the_request_and_the_engine_thread_lives(server):
+def test_a_cancelled_wait_never_starts_the_request_and_the_engine_thread_lives(make_server):
+    server = make_server(engine_process=False)  # the engine thread in the server's process
     worker = server.services.worker
     from engine import SamplingParams
 

@@ -1,0 +1,104 @@
+"""The engine in its own process (`service/engine_process.py`, the server's default): requests,
+their errors and reference encoding cross the process boundary intact; a cancelled wait is
+aborted and never delivered; the server's step metrics come across; a dead engine process
+fails what is in flight, turns `/ready` to 503 and refuses new work with a clear error."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from engine import ConfigError, ReferenceAudioError, SamplingParams
+from service.engine_process import EngineProcess, _portable, _rebuild
+from tests.service.conftest import reference_audio, scrape, wait_engine_idle
+
+
+def test_exceptions_cross_as_data_and_keep_their_kind():
+    ref = _rebuild(_portable(ReferenceAudioError("audio_too_short", "only 0.1 s")))
+    assert isinstance(ref, ReferenceAudioError) and ref.code == "audio_too_short"
+    assert str(ref) == "only 0.1 s"
+    cfg = _rebuild(_portable(ConfigError("bad top_k")))
+    assert type(cfg) is ConfigError and str(cfg) == "bad top_k"
+    other = _rebuild(_portable(ValueError("boom")))
+    assert type(other) is RuntimeError and "ValueError" in str(other) and "boom" in str(other)
+
+
+def test_the_default_server_runs_the_engine_in_another_process(server):
+    worker = server.services.worker
+    assert isinstance(worker, EngineProcess) and worker.alive
+    assert worker._process.pid != os.getpid()
+    assert server.services.engine is None  # no model in the server's process
+
+
+def test_a_request_streams_through_the_process_and_steps_reach_the_metrics(server):
+    before = scrape(server)
+    r = httpx.post(
+        server.http + "/v1/audio/speech",
+        json={"input": "across processes", "max_duration_s": 0.4, "response_format": "pcm"},
+        timeout=60,
+    )
+    assert r.status_code == 200 and len(r.content) == 10 * 1920
+    after = wait_engine_idle(server)
+    name = "clonecast_engine_step_seconds_count"
+    assert after[name] > before[name]
+
+
+def test_errors_and_voices_cross_the_process(server):
+    worker = server.services.worker
+    with pytest.raises(ConfigError, match="structural tokens"):
+        worker.check_text("say <|audio|> now")
+    params = SamplingParams(max_rows=4)
+    bad = worker.submit("bad-text", "say <|audio|> now", None, params, lambda o: None)
+    with pytest.raises(ConfigError, match="structural tokens"):  # raised by the engine there
+        bad.result(timeout=30)
+    voice = worker.encode_reference(reference_audio(2.0), "a transcript").result(timeout=60)
+    assert voice.codes and voice.text == "a transcript"
+    with pytest.raises(ReferenceAudioError) as info:
+        worker.encode_reference(b"not audio at all", None).result(timeout=60)
+    assert info.value.code
+
+
+def test_a_cancelled_wait_is_aborted_and_never_delivered(server):
+    worker = server.services.worker
+    delivered = []
+    params = SamplingParams(max_rows=40)
+    futures = [
+        worker.submit(f"cancel-{i}", "never heard", None, params, delivered.append)
+        for i in range(4)
+    ]
+    assert all(f.cancel() for f in futures)  # before the engine process could answer
+    wait_engine_idle(server)
+    time.sleep(0.3)
+    assert delivered == []
+
+
+def test_a_dead_engine_process_fails_requests_and_readiness(make_server):
+    server = make_server()
+    worker = server.services.worker
+    assert httpx.get(server.http + "/ready", timeout=10).status_code == 200
+    got = threading.Event()
+    seen = []
+
+    def sink(out):
+        seen.append(out)
+        got.set()
+
+    worker.submit("doomed", "a long sentence to speak", None, SamplingParams(max_rows=400), sink)
+    os.kill(worker._process.pid, signal.SIGKILL)
+    assert got.wait(20), "the request in flight was not failed"
+    assert isinstance(seen[-1], RuntimeError) and "engine process exited" in str(seen[-1])
+    r = httpx.get(server.http + "/ready", timeout=10)
+    assert r.status_code == 503 and "restart" in r.json()["error"]["message"]
+    with pytest.raises(RuntimeError, match="engine process exited"):
+        worker.submit("late", "hi", None, SamplingParams(max_rows=4), sink).result(timeout=5)
+    r = httpx.post(
+        server.http + "/v1/audio/speech",
+        json={"input": "anyone there", "max_duration_s": 0.4, "response_format": "pcm"},
+        timeout=30,
+    )
+    assert r.status_code >= 500 and r.json()["error"]["code"]
