@@ -355,10 +355,14 @@ def _serve(worker: EngineWorker, commands, events, sender: _StatsSender) -> None
         result = None if error else future.result()
         events.put(("encoded", token, result, _portable(error) if error else None))
 
+    parent = multiprocessing.parent_process()
     while True:
         try:
             command = commands.get(timeout=IDLE_POLL_S)
         except queue.Empty:
+            if not parent.is_alive():  # the server was killed: do not outlive it
+                log.warning("the server process is gone: the engine process exits")
+                return
             sender.refresh()
             continue
         kind = command[0]

@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -102,3 +105,39 @@ def test_a_dead_engine_process_fails_requests_and_readiness(make_server):
         timeout=30,
     )
     assert r.status_code >= 500 and r.json()["error"]["code"]
+
+
+_HOLDER = """
+import sys, time
+from pathlib import Path
+from engine import EngineConfig
+from service.engine_process import EngineProcess, EngineSpec
+p = EngineProcess(EngineSpec(None, EngineConfig(device="cpu"), cache_dir=Path(sys.argv[1])))
+p.start()
+print(p._process.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_engine_process_does_not_outlive_a_killed_server(model_cache):
+    """A server killed outright (SIGKILL: no shutdown) must not leave its engine process
+    holding the GPU: the engine notices its parent is gone and exits."""
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, str(model_cache)],
+        cwd=root,
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        pid = int(holder.stdout.readline())
+        assert Path(f"/proc/{pid}").exists()
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+    deadline = time.monotonic() + 30
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not Path(f"/proc/{pid}").exists(), "the engine process outlived its server"
