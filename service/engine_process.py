@@ -9,8 +9,8 @@ nothing else; the server process keeps the sockets.
 
 Two `multiprocessing` queues carry the traffic (spawned process: CUDA does not survive a
 fork). To the engine: add, abort, encode (a reference recording), stop. From it: ready (or
-failed, with the load error), added (or the request's ConfigError), out (a request's audio
-chunk or finish, the only events the service reads), fail, encoded, and step statistics
+failed, with the load error), added (or the request's ConfigError), outs (one step's audio
+chunks and finishes, the only events the service reads), fail, encoded, and step statistics
 (batched: every 50 ms while busy, at once when it goes idle). A queue's feeder thread writes
 each message, so the engine thread never blocks on a slow reader.
 
@@ -214,12 +214,16 @@ class EngineProcess:
 
     def _dispatch(self, message) -> None:
         kind = message[0]
-        if kind == "out":
-            _, request_id, out = message
-            with self._lock:
-                sink = self._sinks.pop(request_id) if out.finished else self._sinks.get(request_id)
-            if sink is not None:
-                sink(out)
+        if kind == "outs":
+            for request_id, out in message[1]:
+                with self._lock:
+                    sinks = self._sinks
+                    sink = sinks.pop(request_id, None) if out.finished else sinks.get(request_id)
+                if sink is not None:
+                    try:
+                        sink(out)
+                    except Exception:
+                        log.exception("delivering an output failed")
         elif kind == "steps":
             _, seconds, self._stats = message
             if self._on_step is not None:
@@ -310,6 +314,33 @@ class _StatsSender:
             self.last_sent, self.last_stats = time.monotonic(), stats
 
 
+class _ProcessWorker(EngineWorker):
+    """The engine process's worker: a step's events leave in one message ("outs"), so the
+    queue's feeder thread wakes (and takes the interpreter lock) once per step, not per
+    chunk. Exceptions for a sink still go one by one ("fail")."""
+
+    def __init__(self, engine, events, on_step):
+        super().__init__(engine, on_step=on_step)
+        self._events = events
+
+    def _send(self, delivered) -> None:
+        self._events.put(("outs", [(sink.request_id, out) for sink, out in delivered]))
+
+
+def _sink_for(events, request_id: str) -> Sink:
+    """A request's sink in the engine process; `_ProcessWorker` batches its events by
+    `request_id` and only exceptions come through the call itself."""
+
+    def sink(out) -> None:  # the engine thread
+        if isinstance(out, BaseException):
+            events.put(("fail", request_id, _portable(out)))
+        else:
+            events.put(("outs", [(request_id, out)]))
+
+    sink.request_id = request_id
+    return sink
+
+
 def _engine_main(spec: EngineSpec, commands, events) -> None:
     logging.basicConfig(
         level=spec.log_level, format="%(asctime)s clonecast-engine %(levelname)s %(message)s"
@@ -325,7 +356,7 @@ def _engine_main(spec: EngineSpec, commands, events) -> None:
         events.put(("failed", _portable(exc)))
         return
     sender = _StatsSender(events, engine)
-    worker = EngineWorker(engine, on_step=sender.on_step)
+    worker = _ProcessWorker(engine, events, on_step=sender.on_step)
     worker.start()
     events.put(("ready", worker.info, engine.stats))
     settle_garbage_collector()
@@ -337,15 +368,6 @@ def _engine_main(spec: EngineSpec, commands, events) -> None:
 
 
 def _serve(worker: EngineWorker, commands, events, sender: _StatsSender) -> None:
-    def sink_for(request_id: str) -> Sink:
-        def sink(out) -> None:  # the engine thread
-            if isinstance(out, BaseException):
-                events.put(("fail", request_id, _portable(out)))
-            else:
-                events.put(("out", request_id, out))
-
-        return sink
-
     def added(request_id: str, future: concurrent.futures.Future) -> None:
         error = future.exception()
         events.put(("added", request_id, _portable(error) if error else None))
@@ -368,7 +390,8 @@ def _serve(worker: EngineWorker, commands, events, sender: _StatsSender) -> None
         kind = command[0]
         if kind == "add":
             _, request_id, text, reference, params = command
-            future = worker.submit(request_id, text, reference, params, sink_for(request_id))
+            sink = _sink_for(events, request_id)
+            future = worker.submit(request_id, text, reference, params, sink)
             future.add_done_callback(lambda f, rid=request_id: added(rid, f))
         elif kind == "abort":
             worker.abort(command[1])

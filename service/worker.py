@@ -159,6 +159,7 @@ class EngineWorker:
                 self._on_step(time.perf_counter() - t0, stats)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
+        delivered = []
         for out in outputs:
             if out.audio is None and not out.finished:
                 continue
@@ -166,10 +167,18 @@ class EngineWorker:
             if out.finished:
                 self._sinks.pop(out.request_id, None)
             if sink is not None:
-                try:
-                    sink(out)
-                except Exception:
-                    log.exception("delivering an output failed")
+                delivered.append((sink, out))
+        if delivered:
+            self._send(delivered)
+
+    def _send(self, delivered: list[tuple[Sink, RequestOutput]]) -> None:
+        """Hands one step's (or one early batch's) events to their sinks; the engine process
+        overrides it to send them in one message."""
+        for sink, out in delivered:
+            try:
+                sink(out)
+            except Exception:
+                log.exception("delivering an output failed")
 
     def _drain(self, block: bool) -> None:
         try:

@@ -141,3 +141,29 @@ def test_the_engine_process_does_not_outlive_a_killed_server(model_cache):
     while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not Path(f"/proc/{pid}").exists(), "the engine process outlived its server"
+
+
+def test_a_steps_events_leave_the_engine_process_in_one_message():
+    """The engine process sends a step's audio and finish events as one message (the
+    queue's feeder thread then wakes once a step); row-only events stay behind, and a
+    request's error still goes alone."""
+    from engine import RequestOutput
+    from service.engine_process import _ProcessWorker, _sink_for
+
+    class Events(list):
+        put = list.append
+
+    events = Events()
+    worker = _ProcessWorker(engine=None, events=events, on_step=None)
+    for rid in ("a", "b", "c"):
+        worker._sinks[rid] = _sink_for(events, rid)
+    chunk = object()  # stands in for an AudioChunk
+    out_a = RequestOutput("a", [], audio=chunk)
+    out_b = RequestOutput("b", [], True, "length", [])
+    out_c = RequestOutput("c", [(1,) * 8])  # a row only: nobody reads it
+    worker._deliver([out_a, out_b, out_c])
+    assert events == [("outs", [("a", out_a), ("b", out_b)])]
+    assert "b" not in worker._sinks and "c" in worker._sinks
+    worker._sinks["c"](ConfigError("bad"))
+    assert events[-1] == ("fail", "c", ("ConfigError", "bad", None))
+    worker.encoder_pool.shutdown()
