@@ -49,6 +49,11 @@ def _authorized(request: Request) -> bool:
 
 
 async def health(request: Request) -> Response:
+    """Liveness: 200 while the server can serve, or is still loading; 503 once its engine
+    has exited (a restart is the only cure, so an orchestrator's liveness probe should act)."""
+    worker = _services(request).worker
+    if worker is not None and not worker.alive:
+        return JSONResponse({"status": "engine_exited"}, status_code=503)
     return JSONResponse({"status": "ok"})
 
 
@@ -63,8 +68,10 @@ async def ready(request: Request) -> Response:
 
 async def metrics(request: Request) -> Response:
     services = _services(request)
-    if services.worker is not None and services.worker.stats is not None:
-        services.metrics.update_engine(services.worker.stats)
+    worker = services.worker
+    if worker is not None and worker.stats is not None:
+        services.metrics.update_engine(worker.stats)
+    services.metrics.engine_up.set(int(worker is not None and worker.alive))
     return Response(services.metrics.render(), media_type="text/plain; version=0.0.4")
 
 

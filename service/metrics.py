@@ -82,6 +82,9 @@ class Metrics:
             p + "request_success", "Finished utterances by reason", ["finished_reason"], registry=r
         )
         self.errors = Counter(p + "errors", "Errors sent to clients by code", ["code"], registry=r)
+        self.engine_up = Gauge(
+            p + "engine_up", "1 while the engine (its process or thread) runs, else 0", registry=r
+        )
         self.running = Gauge(p + "num_requests_running", "Engine requests running", registry=r)
         self.waiting = Gauge(p + "num_requests_waiting", "Engine requests waiting", registry=r)
         self.kv_usage = Gauge(

@@ -84,6 +84,7 @@ def test_a_dead_engine_process_fails_requests_and_readiness(make_server):
     server = make_server()
     worker = server.services.worker
     assert httpx.get(server.http + "/ready", timeout=10).status_code == 200
+    assert scrape(server)["clonecast_engine_up"] == 1
     got = threading.Event()
     seen = []
 
@@ -97,6 +98,9 @@ def test_a_dead_engine_process_fails_requests_and_readiness(make_server):
     assert isinstance(seen[-1], RuntimeError) and "engine process exited" in str(seen[-1])
     r = httpx.get(server.http + "/ready", timeout=10)
     assert r.status_code == 503 and "restart" in r.json()["error"]["message"]
+    r = httpx.get(server.http + "/health", timeout=10)
+    assert r.status_code == 503 and r.json()["status"] == "engine_exited"
+    assert scrape(server)["clonecast_engine_up"] == 0
     with pytest.raises(RuntimeError, match="engine process exited"):
         worker.submit("late", "hi", None, SamplingParams(max_rows=4), sink).result(timeout=5)
     r = httpx.post(
