@@ -36,6 +36,7 @@ _PUBLIC = {
     "STEP_PHASES": "engine.stats",
     "GenerationResult": "engine.engine",
     "RequestOutput": "engine.audio_output",
+    "TextChecker": "engine.prompt",
 }
 
 __all__ = sorted(_PUBLIC)

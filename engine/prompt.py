@@ -134,6 +134,13 @@ class TextChecker:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
 
+    @classmethod
+    def from_checkpoint(cls, checkpoint, max_model_len: int) -> TextChecker:
+        """With the checkpoint's own tokenizer (a resolved checkpoint directory)."""
+        from engine.tokenizer import HiggsTokenizer
+
+        return cls(HiggsTokenizer(checkpoint), max_model_len)
+
     def __call__(self, text: str, reference: VoiceReference | None = None) -> None:
         prompt = build_prompt(self.tokenizer, self.tokenizer.special, text, reference)
         if len(prompt) + 1 > self.max_model_len:

@@ -34,7 +34,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine import ConfigError, EngineConfig, EngineStats, ReferenceAudioError, VoiceReference
+from engine import (
+    ConfigError,
+    EngineConfig,
+    EngineStats,
+    ReferenceAudioError,
+    TextChecker,
+    VoiceReference,
+)
 from service.worker import EngineInfo, EngineWorker, Sink, settle_garbage_collector
 
 log = logging.getLogger("clonecast.engine_process")
@@ -102,9 +109,6 @@ class EngineProcess:
     # -- lifecycle ---------------------------------------------------------------------------
 
     def start(self) -> None:
-        from engine.prompt import TextChecker
-        from engine.tokenizer import HiggsTokenizer
-
         self._process.start()
         while True:
             try:
@@ -121,8 +125,8 @@ class EngineProcess:
                 raise _rebuild(message[1])
             _, self.info, self._stats = message  # "ready"
             break
-        tokenizer = HiggsTokenizer(Path(self.info.checkpoint))
-        self._check = TextChecker(tokenizer, self.info.max_model_len)
+        info = self.info
+        self._check = TextChecker.from_checkpoint(Path(info.checkpoint), info.max_model_len)
         self._reader.start()
 
     def stop(self) -> None:
