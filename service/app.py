@@ -162,12 +162,12 @@ def create_app(settings: ServiceSettings | None = None, engine: Engine | None = 
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        await asyncio.get_running_loop().run_in_executor(None, services.start)
-        await services.warm_up()
-        log.info("clonecast ready: %s", services.model_info()["name"])
         try:
+            await asyncio.get_running_loop().run_in_executor(None, services.start)
+            await services.warm_up()
+            log.info("clonecast ready: %s", services.model_info()["name"])
             yield
-        finally:
+        finally:  # also when loading or warming up failed: no engine process left behind
             services.stop()
 
     routes = [

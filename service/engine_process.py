@@ -26,7 +26,9 @@ import concurrent.futures
 import itertools
 import logging
 import multiprocessing
+import os
 import queue
+import signal
 import sys
 import threading
 import time
@@ -39,6 +41,7 @@ from engine import (
     EngineConfig,
     EngineStats,
     ReferenceAudioError,
+    RequestOutput,
     TextChecker,
     VoiceReference,
 )
@@ -63,16 +66,16 @@ class EngineSpec:
     log_level: int = logging.WARNING
 
 
-def _portable(exc: BaseException) -> tuple[str, str, str | None]:
+def _portable(exc: BaseException) -> tuple[str, str, str | None, bool]:
     """An exception as plain data (ReferenceAudioError, for one, cannot be unpickled)."""
-    return type(exc).__name__, str(exc), getattr(exc, "code", None)
+    return type(exc).__name__, str(exc), getattr(exc, "code", None), isinstance(exc, ConfigError)
 
 
-def _rebuild(data: tuple[str, str, str | None]) -> Exception:
-    name, message, code = data
+def _rebuild(data: tuple[str, str, str | None, bool]) -> Exception:
+    name, message, code, is_config = data
     if name == "ReferenceAudioError" and code is not None:
         return ReferenceAudioError(code, message)
-    if name == "ConfigError" or code is not None:
+    if is_config:
         return ConfigError(message)
     return RuntimeError(f"{name} in the engine process: {message}")
 
@@ -95,8 +98,11 @@ class EngineProcess:
         )
         self._on_step = on_step
         self._lock = threading.Lock()
-        self._sinks: dict[str, Sink] = {}
-        self._added: dict[str, concurrent.futures.Future] = {}
+        # Requests cross the queues under a wire id of their own (`{request_id}#{n}`): events
+        # still in the pipe for an aborted request can never reach a later one of that id.
+        self._wire: dict[str, str] = {}  # request id -> its live wire id
+        self._sinks: dict[str, Sink] = {}  # by wire id
+        self._added: dict[str, concurrent.futures.Future] = {}  # by wire id
         self._encodes: dict[int, concurrent.futures.Future] = {}
         self._tokens = itertools.count()
         self._reader = threading.Thread(target=self._read, name="clonecast-events", daemon=True)
@@ -177,15 +183,29 @@ class EngineProcess:
             if self._exit_reason is not None:
                 done.set_exception(RuntimeError(self._exit_reason))
                 return done
-            self._sinks[request_id] = sink
-            self._added[request_id] = done
-        self._commands.put(("add", request_id, text, reference, params))
+            if request_id in self._wire:
+                done.set_exception(ConfigError(f"request id {request_id!r} is already in use"))
+                return done
+            wire = self._wire[request_id] = f"{request_id}#{next(self._tokens)}"
+            self._sinks[wire] = sink
+            self._added[wire] = done
+        self._commands.put(("add", wire, text, reference, params))
         return done
 
     def abort(self, request_id: str) -> None:
         with self._lock:
-            self._sinks.pop(request_id, None)
-        self._commands.put(("abort", request_id))
+            wire = self._wire.pop(request_id, None)
+            if wire is None or self._exit_reason is not None:
+                return
+            self._sinks.pop(wire, None)
+        self._commands.put(("abort", wire))
+
+    def _forget(self, wire: str) -> Sink | None:
+        """Drops a request's sink and id (under the lock); returns the sink."""
+        request_id = wire.rpartition("#")[0]
+        if self._wire.get(request_id) == wire:  # not a later request of the same id
+            del self._wire[request_id]
+        return self._sinks.pop(wire, None)
 
     def encode_reference(self, data: bytes, transcript: str | None) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
@@ -219,10 +239,9 @@ class EngineProcess:
     def _dispatch(self, message) -> None:
         kind = message[0]
         if kind == "outs":
-            for request_id, out in message[1]:
+            for wire, out in message[1]:
                 with self._lock:
-                    sinks = self._sinks
-                    sink = sinks.pop(request_id, None) if out.finished else sinks.get(request_id)
+                    sink = self._forget(wire) if out.finished else self._sinks.get(wire)
                 if sink is not None:
                     try:
                         sink(out)
@@ -236,31 +255,33 @@ class EngineProcess:
         elif kind == "stats":
             self._stats = message[1]
         elif kind == "added":
-            _, request_id, error = message
+            _, wire, error, self._stats = message
             with self._lock:
-                done = self._added.pop(request_id, None)
-                if error is not None or (done is not None and done.cancelled()):
-                    self._sinks.pop(request_id, None)
+                done = self._added.pop(wire, None)
+                if error is not None:
+                    self._forget(wire)
             if done is None:
                 return
             if not done.set_running_or_notify_cancel():  # the caller stopped waiting
+                with self._lock:
+                    self._forget(wire)
                 if error is None:
-                    self._commands.put(("abort", request_id))
+                    self._commands.put(("abort", wire))
             elif error is not None:
                 done.set_exception(_rebuild(error))
             else:
                 done.set_result(None)
         elif kind == "fail":
-            _, request_id, error = message
+            _, wire, error = message
             with self._lock:
-                sink = self._sinks.pop(request_id, None)
+                sink = self._forget(wire)
             if sink is not None:
                 sink(_rebuild(error))
         elif kind == "encoded":
-            _, token, result, error = message
+            _, token, result, error, self._stats = message
             with self._lock:
                 future = self._encodes.pop(token, None)
-            if future is not None:
+            if future is not None and future.set_running_or_notify_cancel():  # not cancelled
                 future.set_exception(_rebuild(error)) if error else future.set_result(result)
 
     def _exited(self) -> None:
@@ -271,7 +292,7 @@ class EngineProcess:
             log.error("%s: failing the requests in flight", reason)
         with self._lock:
             self._exit_reason = reason
-            sinks, self._sinks = self._sinks, {}
+            sinks, self._sinks, self._wire = self._sinks, {}, {}
             waiting = [*self._added.values(), *self._encodes.values()]
             self._added, self._encodes = {}, {}
         for future in waiting:
@@ -328,7 +349,21 @@ class _ProcessWorker(EngineWorker):
         self._events = events
 
     def _send(self, delivered) -> None:
-        self._events.put(("outs", [(sink.request_id, out) for sink, out in delivered]))
+        # without the rows (the service reads only audio and finishes)
+        self._events.put(
+            (
+                "outs",
+                [
+                    (
+                        sink.request_id,
+                        RequestOutput(
+                            out.request_id, [], out.finished, out.finish_reason, None, out.audio
+                        ),
+                    )
+                    for sink, out in delivered
+                ],
+            )
+        )
 
 
 def _sink_for(events, request_id: str) -> Sink:
@@ -346,6 +381,10 @@ def _sink_for(events, request_id: str) -> Sink:
 
 
 def _engine_main(spec: EngineSpec, commands, events) -> None:
+    # Ctrl-C in a terminal, or a SIGTERM to the whole process group, must not stop the engine
+    # under requests the server is still draining: it stops on "stop" or when the server dies.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(
         level=spec.log_level, format="%(asctime)s clonecast-engine %(levelname)s %(message)s"
     )
@@ -366,20 +405,27 @@ def _engine_main(spec: EngineSpec, commands, events) -> None:
     settle_garbage_collector()
     sys.setswitchinterval(spec.gil_switch_ms / 1000)
     try:
-        _serve(worker, commands, events, sender)
+        orphaned = _serve(worker, engine, commands, events, sender)
     finally:
         worker.stop()
+    if orphaned:
+        # Nobody reads the events any more: the queue's feeder thread may block on a full
+        # pipe forever, and a normal exit would wait for it (holding the GPU). Leave now.
+        os._exit(0)
 
 
-def _serve(worker: EngineWorker, commands, events, sender: _StatsSender) -> None:
-    def added(request_id: str, future: concurrent.futures.Future) -> None:
+def _serve(worker: EngineWorker, engine, commands, events, sender: _StatsSender) -> bool:
+    """Applies the server's commands until "stop" (False) or until the server is gone (True)."""
+
+    def added(request_id: str, future: concurrent.futures.Future) -> None:  # engine thread
         error = future.exception()
-        events.put(("added", request_id, _portable(error) if error else None))
+        events.put(("added", request_id, _portable(error) if error else None, engine.stats))
 
     def encoded(token: int, future: concurrent.futures.Future) -> None:
         error = future.exception()
         result = None if error else future.result()
-        events.put(("encoded", token, result, _portable(error) if error else None))
+        error = _portable(error) if error else None
+        events.put(("encoded", token, result, error, engine.stats))
 
     parent = multiprocessing.parent_process()
     while True:
@@ -388,15 +434,17 @@ def _serve(worker: EngineWorker, commands, events, sender: _StatsSender) -> None
         except queue.Empty:
             if not parent.is_alive():  # the server was killed: do not outlive it
                 log.warning("the server process is gone: the engine process exits")
-                return
+                return True
             sender.refresh()
             continue
         kind = command[0]
         if kind == "add":
             _, request_id, text, reference, params = command
-            sink = _sink_for(events, request_id)
-            future = worker.submit(request_id, text, reference, params, sink)
-            future.add_done_callback(lambda f, rid=request_id: added(rid, f))
+            # "added" goes out from the engine thread as it adds the request, before any
+            # event of that request (the callback is attached before the thread sees it)
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            done.add_done_callback(lambda f, rid=request_id: added(rid, f))
+            worker.submit(request_id, text, reference, params, _sink_for(events, request_id), done)
         elif kind == "abort":
             worker.abort(command[1])
         elif kind == "encode":
@@ -404,4 +452,4 @@ def _serve(worker: EngineWorker, commands, events, sender: _StatsSender) -> None
             future = worker.encode_reference(data, transcript)
             future.add_done_callback(lambda f, t=token: encoded(t, f))
         elif kind == "stop":
-            return
+            return False

@@ -7,6 +7,7 @@ import asyncio
 import base64
 import binascii
 import json
+import uuid
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -218,7 +219,7 @@ async def _generate(services, job: dict):
     encoder = StreamEncoder(job["format"])
     for index, text in enumerate(job["segments"]):
         queue: asyncio.Queue = asyncio.Queue()
-        request_id = f"http/{id(queue)}/{index}"
+        request_id = f"http/{uuid.uuid4().hex}/{index}"
 
         def sink(out, queue=queue):
             loop.call_soon_threadsafe(queue.put_nowait, out)

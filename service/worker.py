@@ -126,9 +126,13 @@ class EngineWorker:
 
     # -- called from any thread --------------------------------------------------------------
 
-    def submit(self, request_id, text, reference, params, sink: Sink) -> concurrent.futures.Future:
-        """Queues a request; the future resolves once it is added (or with its ConfigError)."""
-        done: concurrent.futures.Future = concurrent.futures.Future()
+    def submit(
+        self, request_id, text, reference, params, sink: Sink, done=None
+    ) -> concurrent.futures.Future:
+        """Queues a request; the future resolves once it is added (or with its ConfigError).
+        `done`: a future of the caller's to resolve instead (callbacks attached before the
+        engine thread can see it run there, before the request's first step)."""
+        done = done if done is not None else concurrent.futures.Future()
         self._commands.put(_Add(request_id, text, reference, params, sink, done))
         return done
 
@@ -205,6 +209,10 @@ class EngineWorker:
                     audio=True,
                 )
             except ConfigError as exc:
+                command.done.set_exception(exc)
+                return
+            except Exception as exc:  # a bug: the caller must not wait forever
+                log.exception("adding request %s failed", command.request_id)
                 command.done.set_exception(exc)
                 return
             self._sinks[command.request_id] = command.sink

@@ -67,17 +67,65 @@ def test_errors_and_voices_cross_the_process(server):
 
 
 def test_a_cancelled_wait_is_aborted_and_never_delivered(server):
+    """The requests were added before the cancel reached the engine process: they must be
+    aborted there (at 2048 rows each they would run far past the 5 s allowed) and nothing
+    of theirs delivered."""
     worker = server.services.worker
     delivered = []
-    params = SamplingParams(max_rows=40)
+    params = SamplingParams(max_rows=2048)
     futures = [
         worker.submit(f"cancel-{i}", "never heard", None, params, delivered.append)
         for i in range(4)
     ]
     assert all(f.cancel() for f in futures)  # before the engine process could answer
-    wait_engine_idle(server)
+    deadline = time.monotonic() + 30
+    while worker._added and time.monotonic() < deadline:  # the engine's answers arrived
+        time.sleep(0.02)
+    assert not worker._added
+    wait_engine_idle(server, timeout=5)
     time.sleep(0.3)
     assert delivered == []
+
+
+def test_a_request_id_reused_after_an_abort_gets_only_its_own_events(server):
+    """Events of an aborted request still in the pipe never reach a later request of the
+    same id (each crosses under a wire id of its own); a live id cannot be taken twice."""
+    worker = server.services.worker
+    first, second = [], []
+    done = threading.Event()
+
+    def sink2(out):
+        second.append(out)
+        if isinstance(out, BaseException) or out.finished:
+            done.set()
+
+    worker.submit("same-id", "the first one", None, SamplingParams(max_rows=400), first.append)
+    with pytest.raises(ConfigError, match="already in use"):
+        worker.submit("same-id", "a twin", None, SamplingParams(max_rows=4), sink2).result(30)
+    time.sleep(0.5)  # the first is running and streaming
+    worker.abort("same-id")
+    n_first = len(first)
+    worker.submit("same-id", "the second one", None, SamplingParams(max_rows=30), sink2)
+    assert done.wait(60)
+    assert len(first) == n_first and not any(o.finished for o in first)
+    last = second[-1]
+    assert not isinstance(last, BaseException) and last.finished
+    assert last.finish_reason == "length"
+    control, control_done = [], threading.Event()
+
+    def control_sink(out):
+        control.append(out)
+        if isinstance(out, BaseException) or out.finished:
+            control_done.set()
+
+    worker.submit("control-id", "the second one", None, SamplingParams(max_rows=30), control_sink)
+    assert control_done.wait(60)
+
+    def pcm_bytes(outs):
+        return sum(len(o.audio.pcm) for o in outs if o.audio)
+
+    # its own 30 rows' audio, as much as the same request under a fresh id; none of the 400's
+    assert 0 < pcm_bytes(second) == pcm_bytes(control) < 30 * 1920
 
 
 def test_a_dead_engine_process_fails_requests_and_readiness(make_server):
@@ -118,18 +166,26 @@ from engine import EngineConfig
 from service.engine_process import EngineProcess, EngineSpec
 p = EngineProcess(EngineSpec(None, EngineConfig(device="cpu"), cache_dir=Path(sys.argv[1])))
 p.start()
+if sys.argv[2] == "busy":  # requests streaming audio that nobody will read once killed
+    from engine import SamplingParams
+    for i in range(4):
+        p.submit(f"r{i}", "a long sentence to keep the engine busy", None,
+                 SamplingParams(max_rows=2048), lambda out: None)
+    time.sleep(1.0)
 print(p._process.pid, flush=True)
 time.sleep(600)
 """
 
 
-def test_the_engine_process_does_not_outlive_a_killed_server(model_cache):
+@pytest.mark.parametrize("load", ["idle", "busy"])
+def test_the_engine_process_does_not_outlive_a_killed_server(model_cache, load):
     """A server killed outright (SIGKILL: no shutdown) must not leave its engine process
-    holding the GPU: the engine notices its parent is gone and exits."""
+    holding the GPU: the engine notices its parent is gone and exits, also while it streams
+    audio into a pipe nobody reads any more."""
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": str(root)}
     holder = subprocess.Popen(
-        [sys.executable, "-c", _HOLDER, str(model_cache)],
+        [sys.executable, "-c", _HOLDER, str(model_cache), load],
         cwd=root,
         env=env,
         stdout=subprocess.PIPE,
@@ -138,6 +194,9 @@ def test_the_engine_process_does_not_outlive_a_killed_server(model_cache):
     try:
         pid = int(holder.stdout.readline())
         assert Path(f"/proc/{pid}").exists()
+        if load == "busy":  # the server stops reading first: the pipe fills with audio
+            holder.send_signal(signal.SIGSTOP)
+            time.sleep(4.0)
     finally:
         holder.kill()
         holder.wait(timeout=30)
@@ -166,8 +225,13 @@ def test_a_steps_events_leave_the_engine_process_in_one_message():
     out_b = RequestOutput("b", [], True, "length", [])
     out_c = RequestOutput("c", [(1,) * 8])  # a row only: nobody reads it
     worker._deliver([out_a, out_b, out_c])
-    assert events == [("outs", [("a", out_a), ("b", out_b)])]
+    assert len(events) == 1 and events[0][0] == "outs"
+    sent = events[0][1]
+    assert [rid for rid, _ in sent] == ["a", "b"]
+    assert sent[0][1].audio is chunk and not sent[0][1].finished
+    assert sent[1][1].finished and sent[1][1].finish_reason == "length"
+    assert sent[1][1].rows is None  # the rows stay in the engine process
     assert "b" not in worker._sinks and "c" in worker._sinks
     worker._sinks["c"](ConfigError("bad"))
-    assert events[-1] == ("fail", "c", ("ConfigError", "bad", None))
+    assert events[-1] == ("fail", "c", ("ConfigError", "bad", None, True))
     worker.encoder_pool.shutdown()
