@@ -66,6 +66,7 @@ class Services:
                 self.settings.cache_dir,
                 self.settings.gil_switch_ms,
                 logging.getLogger("clonecast").getEffectiveLevel(),
+                self.settings.profile,
             )
             self.worker = EngineProcess(spec, on_step=self._on_step)
         else:

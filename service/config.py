@@ -14,6 +14,7 @@ variables (all named CLONECAST_*).
 | CLONECAST_EAGER | 1: no CUDA graphs (debugging, comparison) |
 | CLONECAST_GIL_SWITCH_MS | thread switch interval once ready, ms (0.5; Python's own: 5) |
 | CLONECAST_ENGINE_PROCESS | 1 (default): the engine in its own process; 0: a server thread |
+| CLONECAST_PROFILE | `SKIP,STEPS,FILE`: the engine process profiles STEPS busy steps after SKIP |
 """
 
 from __future__ import annotations
@@ -72,6 +73,9 @@ class ServiceSettings:
     # loop then never holds the interpreter lock the engine's step needs (on the H200 a
     # second thread holding it 30% of the time made the batch-64 step 6% slower).
     engine_process: bool = True
+    # (skip, steps, file): the engine process runs torch.profiler over `steps` busy steps
+    # after `skip` and writes its tables to `file` (diagnosing the served step on a GPU)
+    profile: tuple[int, int, str] | None = None
     limits: Limits = field(default_factory=Limits)
 
     @classmethod
@@ -91,6 +95,7 @@ class ServiceSettings:
             attention_backend=env.get("CLONECAST_ATTENTION_BACKEND", "auto"),
             gil_switch_ms=_positive_ms(env.get("CLONECAST_GIL_SWITCH_MS", "0.5")),
             engine_process=env.get("CLONECAST_ENGINE_PROCESS", "1") not in ("0", "false", "no"),
+            profile=_profile(env.get("CLONECAST_PROFILE")),
             limits=Limits(max_connections=int(env.get("CLONECAST_MAX_CONNECTIONS", 256))),
         )
         return replace(base, **{k: v for k, v in overrides.items() if v is not None})
@@ -105,3 +110,16 @@ def _positive_ms(value: str) -> float:
     if not 0 < ms <= 1000:
         raise ValueError(f"CLONECAST_GIL_SWITCH_MS must be in (0, 1000] ms, got {value!r}")
     return ms
+
+
+def _profile(value: str | None) -> tuple[int, int, str] | None:
+    if not value:
+        return None
+    parts = value.split(",", 2)
+    try:
+        skip, steps, path = int(parts[0]), int(parts[1]), parts[2]
+    except (IndexError, ValueError):
+        raise ValueError(f"CLONECAST_PROFILE must be SKIP,STEPS,FILE, got {value!r}") from None
+    if skip < 0 or steps < 1 or not path:
+        raise ValueError(f"CLONECAST_PROFILE wants SKIP >= 0, STEPS >= 1 and a file: {value!r}")
+    return skip, steps, path

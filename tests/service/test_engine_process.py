@@ -235,3 +235,46 @@ def test_a_steps_events_leave_the_engine_process_in_one_message():
     worker._sinks["c"](ConfigError("bad"))
     assert events[-1] == ("fail", "c", ("ConfigError", "bad", None, True))
     worker.encoder_pool.shutdown()
+
+
+def test_the_engine_process_profiles_busy_steps_on_request(model_cache, tmp_path, monkeypatch):
+    """CLONECAST_PROFILE=SKIP,STEPS,FILE: torch.profiler tables of STEPS busy steps of the
+    engine process (how the served step is diagnosed on a GPU)."""
+    from engine import EngineConfig
+    from service.config import ServiceSettings
+    from service.engine_process import EngineSpec
+
+    out = tmp_path / "profile.txt"
+    monkeypatch.delenv("CLONECAST_PROFILE", raising=False)
+    assert ServiceSettings.from_env().profile is None
+    monkeypatch.setenv("CLONECAST_PROFILE", f"2,5,{out}")
+    profile = ServiceSettings.from_env().profile
+    assert profile == (2, 5, str(out))
+    spec = EngineSpec(None, EngineConfig(device="cpu"), cache_dir=model_cache, profile=profile)
+    process = EngineProcess(spec)
+    process.start()
+    try:
+        finished = threading.Event()
+
+        def sink(o):
+            return (isinstance(o, BaseException) or o.finished) and finished.set()
+
+        process.submit("p", "profile me", None, SamplingParams(max_rows=20), sink)
+        assert finished.wait(60)
+        deadline = time.monotonic() + 10
+        while not out.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        text = out.read_text()
+        assert "Self CPU" in text and "5 busy steps of the engine process" in text
+    finally:
+        process.stop()
+    assert not process.alive
+
+
+@pytest.mark.parametrize("value", ["5", "a,b,c", "1,0,x", "-1,3,x", "1,3,"])
+def test_a_bad_profile_setting_is_refused(value, monkeypatch):
+    from service.config import ServiceSettings
+
+    monkeypatch.setenv("CLONECAST_PROFILE", value)
+    with pytest.raises(ValueError, match="CLONECAST_PROFILE"):
+        ServiceSettings.from_env()
