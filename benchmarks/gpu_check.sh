@@ -9,7 +9,8 @@
 #   LOOP=1       the engine alone under the served load, async vs sync (LOOP_C: concurrencies)
 #   LOOP_AB      the same load per EngineConfig override set, e.g.
 #                "sampler_noise_kernel=true kv_cache_layout=hnd+sampler_noise_kernel=false"
-#   SERVE=1      a reduced served run (SERVE_C: concurrencies, SERVE_N: timed requests)
+#   SERVE=1      a reduced served run (SERVE_C: concurrencies, SERVE_N: timed requests,
+#                SERVE_MAX: the server's max_num_seqs, else its default 64)
 #   PROTOCOL=1   the full served protocol of performance.md (C = 1..256, 3 fresh starts);
 #                PROTOCOL_N timed requests per point (256; 512 gives a longer saturated window)
 #   STEP_AB      the decode step (eager_step.py) per EngineConfig override set, as LOOP_AB
@@ -49,7 +50,7 @@ for ab in ${LOOP_AB:-}; do
   timeout 150 python3 benchmarks/engine_loop.py --model $CKPT --concurrency ${LOOP_C:-1,32,64} --warmup-s 4 --timed-s 6 ${LOOP_ARGS:-} $(for kv in ${ab//+/ }; do echo --set $kv; done) 2>&1 | grep -v "^{" | tail -3
 done
 if [ "${SERVE:-0}" = 1 ]; then
-  timeout 300 python3 benchmarks/serve_bench.py --model $CKPT --concurrency ${SERVE_C:-1,64} --requests ${SERVE_N:-0} --warmup -1 --starts 1 --out "$OUT/serve" 2>&1 | tail -6
+  timeout 300 python3 benchmarks/serve_bench.py --model $CKPT --concurrency ${SERVE_C:-1,64} --requests ${SERVE_N:-0} --warmup -1 --starts 1 ${SERVE_MAX:+--max-num-seqs $SERVE_MAX} --out "$OUT/serve" 2>&1 | tail -6
 fi
 if [ "${PROTOCOL:-0}" = 1 ]; then
   timeout 560 python3 benchmarks/serve_bench.py --model $CKPT --concurrency 1,32,64,128,256 --requests ${PROTOCOL_N:-256} --warmup 64 --c1-requests 24 --starts 3 --fresh-server --max-num-seqs 256 ${PROTOCOL_ARGS:-} --out "$OUT/protocol" 2>&1 | tail -34
