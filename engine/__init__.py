@@ -37,6 +37,7 @@ _PUBLIC = {
     "GenerationResult": "engine.engine",
     "RequestOutput": "engine.audio_output",
     "TextChecker": "engine.prompt",
+    "StepProfiler": "engine.profiling",
 }
 
 __all__ = sorted(_PUBLIC)
