@@ -278,3 +278,17 @@ def test_a_bad_profile_setting_is_refused(value, monkeypatch):
     monkeypatch.setenv("CLONECAST_PROFILE", value)
     with pytest.raises(ValueError, match="CLONECAST_PROFILE"):
         ServiceSettings.from_env()
+
+
+def test_a_model_that_cannot_load_fails_start_with_its_error(tmp_path):
+    """A bad CLONECAST_MODEL: start() raises the loader's own error (a ConfigError naming
+    the path, rebuilt from the engine process) and leaves no engine process behind."""
+    from engine import EngineConfig
+    from service.engine_process import EngineSpec
+
+    missing = tmp_path / "no-such-checkpoint"
+    process = EngineProcess(EngineSpec(str(missing), EngineConfig(device="cpu")))
+    with pytest.raises(ConfigError, match="no-such-checkpoint"):
+        process.start()
+    process.stop()
+    assert not process.alive and process._process.exitcode is not None
