@@ -123,9 +123,10 @@ class Services:
             raise result
         self.metrics.update_engine(self.worker.stats)
         settle_garbage_collector()
-        # The engine thread and the event loop share one interpreter lock: with Python's
-        # 5 ms switch interval every socket operation of the event loop can wait up to 5 ms
-        # behind a busy engine thread (a convoy that delays requests and audio).
+        # The event loop shares the interpreter lock with this process's other threads (the
+        # engine's events reader, or the engine thread itself when it runs in-process): with
+        # Python's 5 ms switch interval every socket operation could wait up to 5 ms behind
+        # them (a convoy that delays requests and audio).
         sys.setswitchinterval(self.settings.gil_switch_ms / 1000)
         self.is_ready = True
 

@@ -292,3 +292,15 @@ def test_a_model_that_cannot_load_fails_start_with_its_error(tmp_path):
         process.start()
     process.stop()
     assert not process.alive and process._process.exitcode is not None
+
+
+def test_a_checkpoint_without_a_codec_is_refused_and_its_engine_stopped(tiny_ckpt):
+    """The service needs audio: a checkpoint that bundles no codec (and no CLONECAST_CODEC)
+    fails start-up with a clear ConfigError, and the engine process it started is stopped."""
+    from service.app import Services
+    from service.config import ServiceSettings
+
+    services = Services(ServiceSettings(model=str(tiny_ckpt), device="cpu"))
+    with pytest.raises(ConfigError, match="needs a codec"):
+        services.start()
+    assert isinstance(services.worker, EngineProcess) and not services.worker.alive
