@@ -10,7 +10,9 @@
 #   LOOP_AB      the same load per EngineConfig override set, e.g.
 #                "sampler_noise_kernel=true kv_cache_layout=hnd+sampler_noise_kernel=false"
 #   SERVE=1      a reduced served run (SERVE_C: concurrencies, SERVE_N: timed requests,
-#                SERVE_MAX: the server's max_num_seqs, else its default 64)
+#                SERVE_MAX: the server's max_num_seqs, else its default 64; PYSPY="D S": py-spy
+#                attached D s after the server is ready for S s, server and engine process,
+#                samples holding the interpreter lock, summarised by benchmarks/pyspy_top.py)
 #   PROTOCOL=1   the full served protocol of performance.md (C = 1..256, 3 fresh starts);
 #                PROTOCOL_N timed requests per point (256; 512 gives a longer saturated window)
 #   STEP_AB      the decode step (eager_step.py) per EngineConfig override set, as LOOP_AB
@@ -50,7 +52,34 @@ for ab in ${LOOP_AB:-}; do
   timeout 150 python3 benchmarks/engine_loop.py --model $CKPT --concurrency ${LOOP_C:-1,32,64} --warmup-s 4 --timed-s 6 ${LOOP_ARGS:-} $(for kv in ${ab//+/ }; do echo --set $kv; done) 2>&1 | grep -v "^{" | tail -3
 done
 if [ "${SERVE:-0}" = 1 ]; then
+  if [ -n "${PYSPY:-}" ]; then  # PYSPY="DELAY DURATION": attach DELAY s after the server is ready
+    ( set +e; read -r delay dur <<< "$PYSPY"
+      pid=$(python3 - <<'PY'
+import pathlib, time, urllib.request
+for _ in range(600):  # the benchmark's server (port 8790) ready, then its pid
+    try:
+        urllib.request.urlopen("http://127.0.0.1:8790/ready", timeout=2)
+        break
+    except OSError:
+        time.sleep(1)
+for p in pathlib.Path("/proc").glob("[0-9]*"):
+    try:
+        if b"service.cli\0serve" in (p / "cmdline").read_bytes():
+            print(p.name)
+            break
+    except OSError:
+        pass
+PY
+); sleep "$delay"
+      /tmp/site/bin/py-spy record --pid "$pid" --subprocesses --threads --gil --rate 200 \
+        --format raw --duration "$dur" -o "$OUT/pyspy.txt" > "$OUT/pyspy.log" 2>&1 ) &
+  fi
   timeout 300 python3 benchmarks/serve_bench.py --model $CKPT --concurrency ${SERVE_C:-1,64} --requests ${SERVE_N:-0} --warmup -1 --starts 1 ${SERVE_MAX:+--max-num-seqs $SERVE_MAX} --out "$OUT/serve" 2>&1 | tail -6
+  wait
+  if [ -s "$OUT/pyspy.txt" ]; then
+    python3 benchmarks/pyspy_top.py "$OUT/pyspy.txt" --top 20 > "$OUT/pyspy_top.txt" 2>&1; head -60 "$OUT/pyspy_top.txt"
+  elif [ -n "${PYSPY:-}" ]; then tail -5 "$OUT/pyspy.log"
+  fi
 fi
 if [ "${PROTOCOL:-0}" = 1 ]; then
   timeout 560 python3 benchmarks/serve_bench.py --model $CKPT --concurrency 1,32,64,128,256 --requests ${PROTOCOL_N:-256} --warmup 64 --c1-requests 24 --starts 3 --fresh-server --max-num-seqs 256 ${PROTOCOL_ARGS:-} --out "$OUT/protocol" 2>&1 | tail -34

@@ -236,6 +236,30 @@ def start_server(
     raise RuntimeError("server did not become ready")
 
 
+def process_cpu(server_pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) so far of this client, the server and the server's
+    children (the engine process), from /proc; empty where there is no /proc."""
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def stat(pid: int) -> list[str] | None:
+        try:
+            text = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return None
+        return text.rpartition(")")[2].split()  # fields after the command name
+
+    out = {}
+    for name, pid in (("client", os.getpid()), ("server", server_pid)):
+        fields = stat(pid)
+        if fields is not None:
+            out[name] = (int(fields[11]) + int(fields[12])) / tick
+    for entry in Path("/proc").glob("[0-9]*"):
+        fields = stat(int(entry.name))
+        if fields is not None and int(fields[1]) == server_pid:  # field 4: parent pid
+            out[f"child {entry.name}"] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
 def step_stats(port: int) -> tuple[float, float, float]:
     """(seconds in steps, steps, rows sampled) so far, from the server's /metrics."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
@@ -285,6 +309,7 @@ def bench_server(args, eager: bool, out: Path) -> dict:
                 voice = asyncio.run(create_voice(url, reference_wav(args.reference_s)))
             for c, starts in runs.items():
                 s0, n0, rows0 = step_stats(port)
+                cpu0 = process_cpu(server.pid)
                 t0 = time.perf_counter()
                 warmup = max(args.warmup, c)
                 timed = args.requests if args.requests > 0 else max(16, 2 * c)
@@ -299,9 +324,13 @@ def bench_server(args, eager: bool, out: Path) -> dict:
                 window_ms = (sampler.window_wall_ms, sampler.window_step_ms)
                 s1, n1, rows1 = step_stats(port)
                 load_s = time.perf_counter() - t0
+                cpu = {
+                    k: (v - cpu0.get(k, 0.0)) / load_s for k, v in process_cpu(server.pid).items()
+                }
                 window = saturated(recs, every, end)
                 summary = summarise(recs, window)
                 summary["window"] = window
+                summary["cpu_cores"] = cpu
                 summary["mean_running"], summary["mean_waiting"] = running, waiting
                 steps = max(1, n1 - n0)
                 summary["rows_per_step"] = (rows1 - rows0) / steps
@@ -320,7 +349,8 @@ def bench_server(args, eager: bool, out: Path) -> dict:
                     f"client gap "
                     f"{summary['client_gap_ms']:.1f} ms, saturated window {window[1]:.1f} s; "
                     f"whole load: {summary['rows_per_step']:.1f} rows a step, "
-                    f"{summary['loop_ms']:.2f} ms of wall a step",
+                    f"{summary['loop_ms']:.2f} ms of wall a step; CPU cores busy: "
+                    + ", ".join(f"{k} {v:.2f}" for k, v in cpu.items()),
                     flush=True,
                 )
                 partial = {str(k): [x for x, _ in v] for k, v in runs.items()}

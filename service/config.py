@@ -14,7 +14,8 @@ variables (all named CLONECAST_*).
 | CLONECAST_EAGER | 1: no CUDA graphs (debugging, comparison) |
 | CLONECAST_GIL_SWITCH_MS | thread switch interval once ready, ms (0.5; Python's own: 5) |
 | CLONECAST_ENGINE_PROCESS | 1 (default): the engine in its own process; 0: a server thread |
-| CLONECAST_PROFILE | `SKIP,STEPS,FILE`: the engine process profiles STEPS busy steps after SKIP |
+| CLONECAST_PROFILE | `SKIP,STEPS,FILE[,MODE]`: the engine process profiles STEPS busy steps |
+|  | after SKIP (MODE torch: operators, kernels; python: functions, threads) |
 """
 
 from __future__ import annotations
@@ -73,9 +74,10 @@ class ServiceSettings:
     # loop then never holds the interpreter lock the engine's step needs (on the H200 a
     # second thread holding it 30% of the time made the batch-64 step 6% slower).
     engine_process: bool = True
-    # (skip, steps, file): the engine process runs torch.profiler over `steps` busy steps
-    # after `skip` and writes its tables to `file` (diagnosing the served step on a GPU)
-    profile: tuple[int, int, str] | None = None
+    # (skip, steps, file, mode): the engine process profiles `steps` busy steps after `skip`
+    # (mode torch: torch.profiler; python: cProfile and per-thread CPU time) and writes its
+    # tables to `file` (diagnosing the served step on a GPU)
+    profile: tuple[int, int, str, str] | None = None
     limits: Limits = field(default_factory=Limits)
 
     @classmethod
@@ -112,14 +114,20 @@ def _positive_ms(value: str) -> float:
     return ms
 
 
-def _profile(value: str | None) -> tuple[int, int, str] | None:
+def _profile(value: str | None) -> tuple[int, int, str, str] | None:
     if not value:
         return None
-    parts = value.split(",", 2)
+    parts = value.split(",")
+    mode = parts.pop() if len(parts) == 4 else "torch"
     try:
-        skip, steps, path = int(parts[0]), int(parts[1]), parts[2]
+        skip, steps, path = int(parts[0]), int(parts[1]), ",".join(parts[2:])
     except (IndexError, ValueError):
-        raise ValueError(f"CLONECAST_PROFILE must be SKIP,STEPS,FILE, got {value!r}") from None
-    if skip < 0 or steps < 1 or not path:
-        raise ValueError(f"CLONECAST_PROFILE wants SKIP >= 0, STEPS >= 1 and a file: {value!r}")
-    return skip, steps, path
+        raise ValueError(
+            f"CLONECAST_PROFILE must be SKIP,STEPS,FILE[,MODE], got {value!r}"
+        ) from None
+    if skip < 0 or steps < 1 or not path or mode not in ("torch", "python"):
+        raise ValueError(
+            "CLONECAST_PROFILE wants SKIP >= 0, STEPS >= 1, a file and a mode of torch or "
+            f"python: {value!r}"
+        )
+    return skip, steps, path, mode

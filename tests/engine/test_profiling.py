@@ -4,7 +4,10 @@ profiles the STEPS after SKIP of them, writes its tables once, and always passes
 from __future__ import annotations
 
 import dataclasses
+import threading
+import time
 
+import pytest
 import torch
 
 from engine import EngineStats, StepProfiler
@@ -39,3 +42,42 @@ def test_an_unwritable_profile_file_does_not_stop_the_engine(tmp_path):
     for _ in range(3):
         profiler.on_step(0.01, BUSY)  # logs the failure, raises nothing
     assert profiler.profiler is None
+
+
+def test_the_python_mode_tables_functions_and_every_threads_cpu_time(tmp_path):
+    """mode "python": cProfile of the stepping thread and each thread's CPU time over the
+    profiled steps (a second thread that burns CPU shows up by name with its share)."""
+    out = tmp_path / "p.txt"
+    stop = threading.Event()
+
+    def burn():
+        while not stop.is_set():
+            sum(range(1000))
+
+    burner = threading.Thread(target=burn, name="burner-thread", daemon=True)
+    burner.start()
+    try:
+        profiler = StepProfiler(0, 3, str(out), then=lambda s, st: None, mode="python")
+        for _ in range(4):
+            _spin_seconds(0.05)  # the stepping thread's own work
+            profiler.on_step(0.05, BUSY)
+    finally:
+        stop.set()
+        burner.join()
+    text = out.read_text()
+    assert "-- by tottime --" in text and "_spin_seconds" in text
+    table = text.split("-- CPU time per thread")[1]
+    burner_row = next(line for line in table.splitlines() if line.startswith("burner-thread"))
+    assert float(burner_row.split()[1]) > 10  # ms of CPU over ~0.15 s of steps
+    assert "3 busy steps" in text
+
+
+def _spin_seconds(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def test_an_unknown_profile_mode_is_refused():
+    with pytest.raises(ValueError, match="mode"):
+        StepProfiler(0, 1, "x", then=lambda *a: None, mode="gpu")
