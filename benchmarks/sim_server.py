@@ -97,7 +97,9 @@ def main() -> None:
     a, b = (float(x) for x in args.step_ms.split("+"))
     settings = ServiceSettings.from_env(port=args.port, max_num_seqs=args.max_num_seqs)
     config = EngineConfig(
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=max(512, args.max_num_seqs)
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=max(512, args.max_num_seqs),
+        row_events=False,  # as the service configures its engine
     )
     engine = Engine.from_pretrained(None, config)
     simulate(engine, a, b, args.codec_ms)

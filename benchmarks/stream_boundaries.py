@@ -51,7 +51,7 @@ def streamed_and_whole(codec: Codec, frames: list, cfg: StreamConfig):
     parts = []
     for w in windows:
         if w.num_frames:
-            audio = codec.decode(torch.tensor([w.codes]))[0].cpu()
+            audio = codec.decode(torch.from_numpy(w.codes[None]))[0].cpu()
             parts.append(audio[w.context * HOP : (w.context + w.num_frames) * HOP])
     whole = codec.decode(torch.tensor(frames).T[None])[0].cpu()
     return windows, torch.cat(parts), whole

@@ -176,6 +176,9 @@ class EngineConfig:
     # The host schedules and launches step N+1 before it reads step N's rows (one step in
     # flight); False: each step's rows are read before the next step is scheduled.
     async_scheduling: bool = True
+    # Each step's events include one per generated row (`new_rows`); False: only audio chunks
+    # and finishes (all a streaming server reads; saves building an event per row per step).
+    row_events: bool = True
     # CUDA priority of the stream the backbone and sampler run on (lower is higher; torch
     # clamps to the device's range, e.g. -5..0); None: the thread's default stream. The codec
     # has its own default-priority stream and a step of slack, so a higher-priority backbone

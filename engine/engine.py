@@ -331,6 +331,8 @@ class Engine:
             request.num_inflight -= 1
         updates = self._append_rows(sampled)
         decoding = self.audio.submit(updates)
+        if not self.config.row_events:
+            updates = [u for u in updates if u[2] is not None]  # finishes only
         outputs = [
             self._output(request, row, reason, request.request_id in decoding)
             for request, row, reason in updates

@@ -21,19 +21,22 @@ MODES = ("torch", "python")
 
 class StepProfiler:
     """An `on_step(seconds, stats)` hook: profiles `steps` steps of the thread that steps the
-    engine, after `skip` steps that had requests running; writes its tables to `path` once,
-    then calls only `then`.
+    engine, after `skip` steps that had requests running (at least `min_running` of them:
+    a saturated window's steps only); writes its tables to `path` once, then calls only
+    `then`.
 
     mode "torch": torch.profiler (operators by host time, kernels by device time).
     mode "python": cProfile of the stepping thread (functions by own and by cumulative time;
     a function's time includes waiting for the interpreter lock) and the CPU time of every
     thread of the process over the same steps, which says who holds the lock."""
 
-    def __init__(self, skip: int, steps: int, path: str, then, mode: str = "torch"):
+    def __init__(
+        self, skip: int, steps: int, path: str, then, mode: str = "torch", min_running: int = 1
+    ):
         if mode not in MODES:
             raise ValueError(f"profile mode must be one of {MODES}, got {mode!r}")
         self.skip, self.steps, self.path, self.then = skip, steps, Path(path), then
-        self.mode = mode
+        self.mode, self.min_running = mode, max(1, min_running)
         self.seen = 0
         self.profiler = None
         self.wall = 0.0
@@ -41,8 +44,10 @@ class StepProfiler:
 
     def on_step(self, seconds: float, stats: EngineStats) -> None:  # the engine thread
         self.then(seconds, stats)
-        if self.seen > self.skip + self.steps or not stats.num_running:
+        if self.seen > self.skip + self.steps:
             return
+        if stats.num_running < self.min_running and self.profiler is None:
+            return  # not counted before the profile starts; every step counts once it runs
         if self.seen == self.skip:
             self._start()
         elif self.seen == self.skip + self.steps and self.profiler is not None:

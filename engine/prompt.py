@@ -8,8 +8,10 @@ the token's. Knows nothing of tensors, the KV cache or the scheduler; imports no
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
+
+import numpy as np
 
 from engine.config import ADDED_TOKENS, BOC, EOC, NUM_CODEBOOKS, ConfigError, VoiceReference
 
@@ -44,9 +46,22 @@ class Prompt:
     token_ids: tuple[int, ...]
     audio_rows: tuple[AudioRow | None, ...]
     prefix_len: int
+    # `audio_rows` as int64 `[len, 8]`, -1 where None (what the runner copies to the GPU);
+    # built_prompt makes it from the voice's cached delayed rows
+    rows_array: np.ndarray | None = field(default=None, compare=False, repr=False)
 
     def __len__(self) -> int:
         return len(self.token_ids)
+
+    def audio_array(self) -> np.ndarray:
+        """`rows_array`, or the same built from `audio_rows` (a Prompt made by hand)."""
+        if self.rows_array is not None:
+            return self.rows_array
+        rows = np.full((len(self.audio_rows), NUM_CODEBOOKS), -1, dtype=np.int64)
+        at = [i for i, row in enumerate(self.audio_rows) if row is not None]
+        if at:
+            rows[at] = [self.audio_rows[i] for i in at]
+        return rows
 
     def position_keys(self) -> list[int | tuple[int, AudioRow]]:
         """Content of each position for prefix hashing: the id, or (id, row) at placeholders."""
@@ -70,6 +85,14 @@ def delay_rows(codes: tuple[AudioRow, ...] | list[AudioRow]) -> list[AudioRow]:
 @functools.lru_cache(maxsize=256)
 def _delay_rows_cached(codes: tuple[AudioRow, ...]) -> tuple[AudioRow, ...]:
     return tuple(_delay_rows(codes))
+
+
+@functools.lru_cache(maxsize=256)
+def _delayed_array(delayed: tuple[AudioRow, ...]) -> np.ndarray:
+    """A voice's delayed rows as a read-only int64 array (keyed by the cached rows)."""
+    array = np.array(delayed, dtype=np.int64).reshape(-1, NUM_CODEBOOKS)
+    array.flags.writeable = False
+    return array
 
 
 def _delay_rows(codes) -> list[AudioRow]:
@@ -114,6 +137,7 @@ def build_prompt(
         ids.append(special.ref_audio)
         rows.append(None)
         delayed = delay_rows(reference.codes)
+        delayed_at = len(ids)
         ids += [special.tts] * len(delayed)
         rows += delayed
     ids.append(special.text)
@@ -122,7 +146,14 @@ def build_prompt(
     text_ids = tokenizer.encode(text)
     ids += [*text_ids, special.audio]
     rows += [None] * (len(text_ids) + 1)
-    return Prompt(tuple(ids), tuple(rows), prefix_len)
+    array = np.full((len(ids), NUM_CODEBOOKS), -1, dtype=np.int64)
+    if reference is not None and delayed:
+        try:
+            block = _delayed_array(tuple(delayed))
+        except TypeError:  # rows that are lists cannot key the cache
+            block = np.array(delayed, dtype=np.int64)
+        array[delayed_at : delayed_at + len(delayed)] = block
+    return Prompt(tuple(ids), tuple(rows), prefix_len, array)
 
 
 class TextChecker:

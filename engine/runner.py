@@ -161,11 +161,7 @@ class ModelRunner:
         self.delay.reset(request.slot)
         self.sampler.set_params(request.slot, request.params, request.seed)
         ids = np.asarray(request.prompt.token_ids, dtype=np.int64)
-        rows = np.full((len(ids), NUM_CODEBOOKS), -1, dtype=np.int64)
-        for i, row in enumerate(request.prompt.audio_rows):
-            if row is not None:
-                rows[i] = row
-        self._prompt_arrays[request.request_id] = (ids, rows)
+        self._prompt_arrays[request.request_id] = (ids, request.prompt.audio_array())
 
     def has_request(self, request: Request) -> bool:
         return request.request_id in self._prompt_arrays

@@ -9,7 +9,10 @@ frame excluded (it may be empty: it still marks the end). Imports no torch.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from engine.config import NUM_CODEBOOKS, StreamConfig
 from engine.prompt import AudioRow
@@ -17,7 +20,7 @@ from engine.prompt import AudioRow
 ROW_LAG = NUM_CODEBOOKS - 1  # frame f needs row f + 7
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class ChunkWindow:
     """Frames `[start, end)` are this chunk's audio; the codec decodes frames
     `[start - context, end + holdback)` and keeps the samples of `[start, end)`."""
@@ -28,7 +31,7 @@ class ChunkWindow:
     end: int
     context: int
     holdback: int
-    codes: tuple[tuple[int, ...], ...]  # [8][frames of the decode window], sanitised
+    codes: np.ndarray  # int64 [8, frames of the decode window], sanitised; empty: no frames
     is_last: bool
 
     @property
@@ -40,32 +43,31 @@ class ChunkWindow:
         return self.context + self.num_frames + self.holdback
 
 
-def window_codes(rows: list[AudioRow], first: int, last: int) -> tuple[tuple[int, ...], ...]:
+_CODEBOOKS = np.arange(NUM_CODEBOOKS)[:, None]
+
+
+def window_codes(rows: Sequence[AudioRow] | np.ndarray, first: int, last: int) -> np.ndarray:
     """Undoes the delay over frames `[first, last)`: codebook c of frame f is row f + c.
-    Codes outside 0..1023 (BOC, EOC) become 0: never clamped, which would turn EOC into 1023.
-    (Transposes the rows once and slices each column: this runs for every chunk.)"""
+    `rows`: the generated rows (a list of 8-tuples, or an `[n, 8]` array). Returns int64
+    `[8, last - first]`. Codes outside 0..1023 (BOC, EOC) become 0: never clamped, which
+    would turn EOC into 1023. (One array conversion and one gather: this runs for every
+    chunk of every request.)"""
     n = last - first
-    span = rows[first : last + ROW_LAG]
+    span = np.asarray(rows[first : last + ROW_LAG], dtype=np.int64)
     if n <= 0 or len(span) < n + ROW_LAG:
         raise IndexError(f"frames [{first}, {last}) need rows up to {last + ROW_LAG - 1}")
-    columns = list(zip(*span, strict=True))
-    out = []
-    for c in range(NUM_CODEBOOKS):
-        col = columns[c][c : c + n]
-        if min(col) < 0 or max(col) >= 1024:
-            col = tuple(_sanitise(x) for x in col)
-        out.append(col)
-    return tuple(out)
-
-
-def _sanitise(code: int) -> int:
-    return code if 0 <= code < 1024 else 0
+    codes = span[_CODEBOOKS + np.arange(n), _CODEBOOKS]
+    codes[(codes < 0) | (codes >= 1024)] = 0
+    return codes
 
 
 def final_num_frames(num_rows: int) -> int:
     """Frames of a finished utterance: complete frames minus the last (the terminal
     `[EOC, ...]` frame, or at the length cap the frame the spec drops)."""
     return max(0, num_rows - ROW_LAG - 1)
+
+
+_NO_CODES = np.zeros((NUM_CODEBOOKS, 0), np.int64)
 
 
 class AudioStream:
@@ -78,7 +80,9 @@ class AudioStream:
         self.index = 0
         self.done = False
 
-    def next_window(self, rows: list[AudioRow], finished: bool) -> ChunkWindow | None:
+    def next_window(
+        self, rows: Sequence[AudioRow] | np.ndarray, finished: bool
+    ) -> ChunkWindow | None:
         """The window to decode now, if a chunk is ready (always one once finished)."""
         if self.done:
             return None
@@ -93,7 +97,10 @@ class AudioStream:
             end, holdback = self.emitted + want, cfg.holdback_frames
         start = self.emitted
         context = min(cfg.left_context_frames, start)
-        codes = window_codes(rows, start - context, end + holdback) if end > start else ()
+        if end > start:
+            codes = window_codes(rows, start - context, end + holdback)
+        else:
+            codes = _NO_CODES
         window = ChunkWindow(
             self.request_id, self.index, start, end, context, holdback, codes, finished
         )

@@ -14,8 +14,9 @@ variables (all named CLONECAST_*).
 | CLONECAST_EAGER | 1: no CUDA graphs (debugging, comparison) |
 | CLONECAST_GIL_SWITCH_MS | thread switch interval once ready, ms (0.5; Python's own: 5) |
 | CLONECAST_ENGINE_PROCESS | 1 (default): the engine in its own process; 0: a server thread |
-| CLONECAST_PROFILE | `SKIP,STEPS,FILE[,MODE]`: the engine process profiles STEPS busy steps |
-|  | after SKIP (MODE torch: operators, kernels; python: functions, threads) |
+| CLONECAST_PROFILE | `SKIP,STEPS,FILE[,MODE[,MIN_RUNNING]]`: the engine process profiles |
+|  | STEPS steps after SKIP with MIN_RUNNING (1) requests running (MODE torch: operators, |
+|  | kernels; python: functions, threads) |
 """
 
 from __future__ import annotations
@@ -74,10 +75,11 @@ class ServiceSettings:
     # loop then never holds the interpreter lock the engine's step needs (on the H200 a
     # second thread holding it 30% of the time made the batch-64 step 6% slower).
     engine_process: bool = True
-    # (skip, steps, file, mode): the engine process profiles `steps` busy steps after `skip`
+    # (skip, steps, file, mode, min_running): the engine process profiles `steps` steps
+    # after `skip` with at least `min_running` requests running
     # (mode torch: torch.profiler; python: cProfile and per-thread CPU time) and writes its
     # tables to `file` (diagnosing the served step on a GPU)
-    profile: tuple[int, int, str, str] | None = None
+    profile: tuple[int, int, str, str, int] | None = None
     limits: Limits = field(default_factory=Limits)
 
     @classmethod
@@ -114,20 +116,22 @@ def _positive_ms(value: str) -> float:
     return ms
 
 
-def _profile(value: str | None) -> tuple[int, int, str, str] | None:
+def _profile(value: str | None) -> tuple[int, int, str, str, int] | None:
+    """SKIP,STEPS,FILE[,MODE[,MIN_RUNNING]] -> (skip, steps, file, mode, min_running)."""
     if not value:
         return None
     parts = value.split(",")
-    mode = parts.pop() if len(parts) == 4 else "torch"
     try:
-        skip, steps, path = int(parts[0]), int(parts[1]), ",".join(parts[2:])
+        skip, steps, path = int(parts[0]), int(parts[1]), parts[2]
+        mode = parts[3] if len(parts) > 3 else "torch"
+        min_running = int(parts[4]) if len(parts) > 4 else 1
     except (IndexError, ValueError):
         raise ValueError(
-            f"CLONECAST_PROFILE must be SKIP,STEPS,FILE[,MODE], got {value!r}"
+            f"CLONECAST_PROFILE must be SKIP,STEPS,FILE[,MODE[,MIN_RUNNING]], got {value!r}"
         ) from None
-    if skip < 0 or steps < 1 or not path or mode not in ("torch", "python"):
+    if len(parts) > 5 or skip < 0 or steps < 1 or not path or mode not in ("torch", "python"):
         raise ValueError(
-            "CLONECAST_PROFILE wants SKIP >= 0, STEPS >= 1, a file and a mode of torch or "
-            f"python: {value!r}"
+            "CLONECAST_PROFILE wants SKIP >= 0, STEPS >= 1, a file, a mode of torch or python "
+            f"and a running count: {value!r}"
         )
-    return skip, steps, path, mode
+    return skip, steps, path, mode, min_running

@@ -65,7 +65,7 @@ class EngineSpec:
     cache_dir: Path | None = None
     gil_switch_ms: float = 0.5
     log_level: int = logging.WARNING
-    profile: tuple[int, int, str, str] | None = None  # ServiceSettings.profile
+    profile: tuple[int, int, str, str, int] | None = None  # ServiceSettings.profile
 
 
 def _portable(exc: BaseException) -> tuple[str, str, str | None, bool]:
@@ -403,8 +403,8 @@ def _engine_main(spec: EngineSpec, commands, events) -> None:
     sender = _StatsSender(events, engine)
     on_step = sender.on_step
     if spec.profile is not None:
-        skip, steps, path, mode = spec.profile
-        on_step = StepProfiler(skip, steps, path, then=on_step, mode=mode).on_step
+        skip, steps, path, mode, min_running = spec.profile
+        on_step = StepProfiler(skip, steps, path, on_step, mode, min_running).on_step
     worker = _ProcessWorker(engine, events, on_step=on_step)
     worker.start()
     events.put(("ready", worker.info, engine.stats))

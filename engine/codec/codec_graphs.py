@@ -26,6 +26,7 @@ class CodecGraphs:
         shapes = {(b, t) for b in range(1, max_batch + 1) for t in (first_frames, window_frames)}
         shapes |= {(1, t) for t in range(1, max_tail + 1)}
         self.shapes = sorted(shapes, key=lambda s: s[0] * s[1], reverse=True)  # large first
+        self._shape_set = shapes
         self.graphs: dict[
             tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]
         ] = {}
@@ -43,6 +44,10 @@ class CodecGraphs:
             report.num_graphs, report.shapes = len(self.graphs), list(self.graphs)
         self.report = report
         return report
+
+    def has(self, batch: int, frames: int) -> bool:
+        """Whether `(batch, frames)` windows replay a graph (captured or to be captured)."""
+        return (batch, frames) in self._shape_set
 
     def run(self, codes: torch.Tensor) -> torch.Tensor | None:
         """Replays the graph of this exact shape (`[B, 8, T]`); None when there is none. The

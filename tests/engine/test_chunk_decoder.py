@@ -45,9 +45,8 @@ def window(
     `fill`), for frames [start, start + num_frames) with start = context (8 for steady)."""
     rng = random.Random(seed)
     width = context + num_frames + holdback
-    codes = tuple(
-        tuple(fill if fill is not None else rng.randrange(700) for _ in range(width))
-        for _ in range(8)
+    codes = np.array(
+        [[fill if fill is not None else rng.randrange(700) for _ in range(width)] for _ in range(8)]
     )
     start = 0 if context == 0 else 8 + 25 * (seed % 3)
     return ChunkWindow(rid, seed, start, start + num_frames, context, holdback, codes, False)
@@ -61,7 +60,7 @@ def pcm_diff(a: bytes, b: bytes) -> int:
 
 def expected_pcm(codec, w: ChunkWindow) -> bytes:
     """The window decoded alone through `Codec.decode`, its kept samples as PCM16."""
-    audio = codec.decode(torch.tensor([w.codes]))[0]
+    audio = codec.decode(torch.from_numpy(w.codes[None]))[0]
     return to_pcm16(audio[w.context * HOP : (w.context + w.num_frames) * HOP])
 
 
@@ -103,7 +102,7 @@ def test_batched_decode_equals_one_by_one(codec):
     # the windows sound different, so a mix-up of batch rows could not pass the checks above
     assert min(pcm_diff(a.pcm, b.pcm) for a, b in zip(batched, batched[1:], strict=False)) > 50
 
-    stacked = torch.tensor([w.codes for w in windows])
+    stacked = torch.from_numpy(np.stack([w.codes for w in windows]))
     together = codec.decode(stacked)
     alone = torch.cat([codec.decode(stacked[i : i + 1]) for i in range(5)])
     torch.testing.assert_close(together, alone, atol=1e-6, rtol=0)
@@ -147,6 +146,9 @@ def test_batches_larger_than_the_captured_graphs_are_decoded_in_slices(codec, mo
     class NoGraphs:  # the slicing rule only; no shape is captured, so each slice runs eagerly
         max_batch = 2
 
+        def has(self, batch, frames):
+            return False
+
         def run(self, codes):
             return None
 
@@ -159,6 +161,44 @@ def test_batches_larger_than_the_captured_graphs_are_decoded_in_slices(codec, mo
     assert [shape[0] for shape in spy.shapes] == [2, 2, 1]
     assert [d.window for d in sliced] == windows
     for a, b in zip(whole, sliced, strict=True):
+        assert b.error is None and pcm_diff(a.pcm, b.pcm) <= 1
+
+
+class FakeGraphs:
+    """Codec graphs for `shapes` only: `run` decodes those (recording the shape) and returns
+    None for any other, as CodecGraphs does."""
+
+    def __init__(self, decoder, shapes, max_batch=64):
+        self.decoder, self.shapes, self.max_batch, self.replays = decoder, shapes, max_batch, []
+
+    def has(self, batch, frames):
+        return (batch, frames) in self.shapes
+
+    def run(self, codes):
+        shape = (codes.shape[0], codes.shape[2])
+        if shape not in self.shapes:
+            return None
+        self.replays.append(shape)
+        return self.decoder(codes)
+
+
+def test_same_length_windows_without_a_batch_graph_replay_single_window_graphs(codec, monkeypatch):
+    """Last chunks come in any length; only (1, T) graphs exist for them. Two of one length
+    replay the (1, T) graph twice rather than running the decoder eagerly on the pair, and
+    batch shapes that are captured still go as one batch."""
+    tails = [window(f"t{i}", 8, 9, seed=70 + i) for i in range(2)]  # 17 frames each
+    steady = [window(f"s{i}", 8, 25, seed=80 + i) for i in range(3)]  # 33 frames
+    windows = [tails[0], steady[0], tails[1], steady[1], steady[2]]
+    expected = codec.chunks.decode(windows)  # no graphs: one eager batch per length
+    graphs = FakeGraphs(codec.chunks.decoder, {(1, 17), (1, 33), (3, 33)})
+    eager = Spy(codec.chunks.decoder, mode="never")
+    monkeypatch.setattr(codec.chunks, "graphs", graphs)
+    monkeypatch.setattr(codec.chunks, "decoder", eager)
+    decoded = codec.chunks.decode(windows)
+    assert eager.shapes == []  # nothing ran outside a graph
+    assert sorted(graphs.replays) == [(1, 17), (1, 17), (3, 33)]
+    assert [d.window for d in decoded] == windows
+    for a, b in zip(expected, decoded, strict=True):
         assert b.error is None and pcm_diff(a.pcm, b.pcm) <= 1
 
 

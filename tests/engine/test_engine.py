@@ -27,6 +27,26 @@ def test_events_stream_one_row_per_step_then_finish(engine):
     assert events[-1].rows == [e.new_rows[0] for e in events]
 
 
+def test_without_row_events_a_step_reports_only_finishes_with_the_same_rows(tiny_ckpt, engine):
+    """row_events=False (the service's setting): no event per generated row, the finishing
+    event still carries every row, identical to the same seeded request with row events."""
+    quiet = Engine.from_pretrained(
+        tiny_ckpt,
+        EngineConfig(block_size=4, max_num_seqs=16, max_num_batched_tokens=64, row_events=False),
+    )
+    results = {}
+    for name, eng in (("rows", engine), ("quiet", quiet)):
+        eng.add_request(name, "Quiet steps.", params=SamplingParams(seed=9, max_rows=6))
+        events = []
+        while eng.has_unfinished():
+            events += eng.step()
+        results[name] = events
+    assert len(results["rows"]) == 6
+    (last,) = results["quiet"]
+    assert last.finished and last.finish_reason == "length" and len(last.rows) == 6
+    assert last.rows == results["rows"][-1].rows
+
+
 def test_step_time_is_split_into_phases(engine):
     """stats.phase_seconds_total (engine.STEP_PHASES) accounts for the host time in step():
     every phase counted, none negative, together about the step time itself."""

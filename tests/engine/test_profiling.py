@@ -81,3 +81,19 @@ def _spin_seconds(seconds: float) -> None:
 def test_an_unknown_profile_mode_is_refused():
     with pytest.raises(ValueError, match="mode"):
         StepProfiler(0, 1, "x", then=lambda *a: None, mode="gpu")
+
+
+def test_min_running_counts_only_steps_with_that_many_requests():
+    """min_running: the skip and the start wait for a saturated step; once the profile runs,
+    every step counts (a dip in running requests does not stretch it)."""
+    profiler = StepProfiler(1, 2, "unused.txt", then=lambda *a: None, mode="python", min_running=5)
+    small, full = dataclasses.replace(BUSY, num_running=3), dataclasses.replace(BUSY, num_running=5)
+    for _ in range(4):
+        profiler.on_step(0.01, small)
+    assert profiler.seen == 0
+    profiler.on_step(0.01, full)  # skipped
+    profiler.on_step(0.01, full)  # starts
+    assert profiler.profiler is not None
+    profiler.on_step(0.01, small)  # counted while running
+    assert profiler.seen == 3
+    profiler.profiler.disable()

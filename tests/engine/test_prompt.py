@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from engine.config import BOC, EOC, NUM_CODEBOOKS, ConfigError, VoiceReference
@@ -187,3 +188,19 @@ def test_empty_text_rejected(text):
         build_prompt(TOK, SPECIAL, text)
     with pytest.raises(ConfigError):
         build_prompt(TOK, SPECIAL, text, VoiceReference(random_codes(2, 0), "ref"))
+
+
+@pytest.mark.parametrize("ref_text", [None, "ref words"])
+def test_rows_array_is_audio_rows_with_minus_one_at_text_positions(ref_text):
+    """The array the runner copies to the GPU equals `audio_rows` (-1 where None), for a clone
+    prompt (built from the voice's cached delayed rows, the second time from the cache), a
+    plain prompt, and a Prompt made by hand (built from its rows)."""
+    codes = random_codes(9, seed=4)
+    for text in ("first", "a second text, same voice"):
+        p = build_prompt(TOK, SPECIAL, text, VoiceReference(codes, ref_text))
+        want = [list(r) if r is not None else [-1] * NUM_CODEBOOKS for r in p.audio_rows]
+        assert p.rows_array.dtype == np.int64 and p.rows_array.tolist() == want
+    plain = build_prompt(TOK, SPECIAL, "plain")
+    assert plain.rows_array.tolist() == [[-1] * NUM_CODEBOOKS] * len(plain)
+    by_hand = Prompt(p.token_ids, p.audio_rows, p.prefix_len)
+    assert by_hand.rows_array is None and by_hand.audio_array().tolist() == want

@@ -249,9 +249,11 @@ def test_the_engine_process_profiles_busy_steps_on_request(model_cache, tmp_path
     assert ServiceSettings.from_env().profile is None
     monkeypatch.setenv("CLONECAST_PROFILE", f"2,5,{out}")
     profile = ServiceSettings.from_env().profile
-    assert profile == (2, 5, str(out), "torch")
+    assert profile == (2, 5, str(out), "torch", 1)
     monkeypatch.setenv("CLONECAST_PROFILE", f"0,3,{out},python")
-    assert ServiceSettings.from_env().profile == (0, 3, str(out), "python")
+    assert ServiceSettings.from_env().profile == (0, 3, str(out), "python", 1)
+    monkeypatch.setenv("CLONECAST_PROFILE", f"0,3,{out},python,200")
+    assert ServiceSettings.from_env().profile == (0, 3, str(out), "python", 200)
     spec = EngineSpec(None, EngineConfig(device="cpu"), cache_dir=model_cache, profile=profile)
     process = EngineProcess(spec)
     process.start()
@@ -273,7 +275,10 @@ def test_the_engine_process_profiles_busy_steps_on_request(model_cache, tmp_path
     assert not process.alive
 
 
-@pytest.mark.parametrize("value", ["5", "a,b,c", "1,0,x", "-1,3,x", "1,3,", "1,3,x,gpu"])
+@pytest.mark.parametrize(
+    "value",
+    ["5", "a,b,c", "1,0,x", "-1,3,x", "1,3,", "1,3,x,gpu", "1,3,x,torch,n", "1,3,x,torch,1,2"],
+)
 def test_a_bad_profile_setting_is_refused(value, monkeypatch):
     from service.config import ServiceSettings
 
