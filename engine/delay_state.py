@@ -31,6 +31,18 @@ class DelayState:
         self.done[slot] = False
         self.num_rows[slot] = 0
 
+    def reset_many(self, slots: torch.Tensor) -> None:
+        """`reset` for every slot in the device tensor `slots` (five launches in all, no host
+        values: admissions in a step cost the same whatever their number)."""
+        for state, value in (
+            (self.last_codes, 0),
+            (self.delay, 0),
+            (self.countdown, NOT_ENDING),
+            (self.done, False),
+            (self.num_rows, 0),
+        ):
+            state.index_fill_(0, slots, value)
+
     def masks(self, slots: torch.Tensor) -> torch.Tensor:
         """Boolean `[R, 8, 1026]`: True where a code is forbidden for the row of each slot."""
         return forbidden_codes(self.delay[slots], self.countdown[slots])

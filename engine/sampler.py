@@ -60,9 +60,27 @@ class Sampler:
 
     def set_params(self, slot: int, params: SamplingParams, seed: int) -> None:
         self.temperature[slot] = params.temperature
-        self.top_k[slot] = min(params.top_k, CODEBOOK_SIZE) if params.top_k > 0 else CODEBOOK_SIZE
+        self.top_k[slot] = self.top_k_of(params)
         self.top_p[slot] = params.top_p
         self.seed[slot] = seed
+
+    def set_many(
+        self,
+        slots: torch.Tensor,  # [N] int64 on the device
+        temperature: torch.Tensor,  # [N] float32
+        top_k: torch.Tensor,  # [N] int64, already mapped as `set_params` maps it
+        top_p: torch.Tensor,  # [N] float32
+        seed: torch.Tensor,  # [N] int64
+    ) -> None:
+        """`set_params` for several slots from device tensors (four launches)."""
+        self.temperature.index_copy_(0, slots, temperature)
+        self.top_k.index_copy_(0, slots, top_k)
+        self.top_p.index_copy_(0, slots, top_p)
+        self.seed.index_copy_(0, slots, seed)
+
+    @staticmethod
+    def top_k_of(params: SamplingParams) -> int:
+        return min(params.top_k, CODEBOOK_SIZE) if params.top_k > 0 else CODEBOOK_SIZE
 
     def sample(
         self,

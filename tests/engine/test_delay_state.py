@@ -404,3 +404,20 @@ def test_length_cap_arithmetic():
     kept = frames[:-1]
     assert len(kept) == 2040
     assert len(kept) / FRAMES_PER_SECOND == pytest.approx(81.6)
+
+
+def test_reset_many_equals_reset_per_slot():
+    """The runner resets the slots admitted in a step at once (`reset_many`, from a device
+    tensor of slots): the same state as `reset` slot by slot, other slots untouched."""
+    one, many = DelayState(6, CPU), DelayState(6, CPU)
+    slots = t([0, 1, 2, 3, 4, 5])
+    for state in (one, many):  # every slot somewhere mid-utterance, ending in some
+        for _ in range(9):
+            state.advance(slots, t([real_row(s) for s in range(6)]))
+        state.advance(t([1, 4]), t([[EOC] + [3] * 7, [EOC] + [5] * 7]))
+    for slot in (4, 1, 3):
+        one.reset(slot)
+    many.reset_many(t([4, 1, 3]))
+    for name in ("last_codes", "delay", "countdown", "done", "num_rows"):
+        assert torch.equal(getattr(one, name), getattr(many, name)), name
+    assert many.num_rows[0].item() == 9 and many.num_rows[3].item() == 0

@@ -426,3 +426,27 @@ def test_empirical_distribution_matches_softmax(temperature):
     assert int(counts.sum()) == codes.numel()  # nothing outside the support
     freq = counts.double() / codes.numel()
     assert torch.allclose(freq, expected.double(), atol=0.04), (freq, expected)
+
+
+def test_set_many_equals_set_params_per_slot():
+    """The runner sets the sampling parameters of a step's admitted requests at once
+    (`set_many`, device tensors; top_k mapped by `top_k_of`, floats as float32)."""
+    params = [
+        (SamplingParams(temperature=0.7, top_k=50, top_p=0.95), 11),
+        (SamplingParams(temperature=1.0, top_k=0, top_p=1.0), 2**62 + 5),
+        (SamplingParams(temperature=0.0, top_k=5000, top_p=0.5), 3),
+    ]
+    one, many = Sampler(5, CPU), Sampler(5, CPU)
+    slots = [3, 0, 4]
+    for slot, (p, seed) in zip(slots, params, strict=True):
+        one.set_params(slot, p, seed)
+    many.set_many(
+        t(slots),
+        torch.tensor([p.temperature for p, _ in params], dtype=torch.float32),
+        t([Sampler.top_k_of(p) for p, _ in params]),
+        torch.tensor([p.top_p for p, _ in params], dtype=torch.float32),
+        t([seed for _, seed in params]),
+    )
+    for name in ("temperature", "top_k", "top_p", "seed"):
+        assert torch.equal(getattr(one, name), getattr(many, name)), name
+    assert many.top_k[0].item() == V and many.top_k[4].item() == V  # 0 and 5000: no limit
