@@ -2,15 +2,10 @@
 flight, and the finishes held back for their last chunk.
 
 A step's rows complete chunk windows (engine/streaming.py); `submit` hands them to the codec
-as one batch per shape, which runs on its own CUDA streams and is read back by `collect` on a
-later step: first chunks (what a listener is waiting for) on a high-priority stream, read at
-the next collect even if that means waiting; later chunks as soon as they are ready, without
-holding up the step (under load the codec's work for a step can take as long as the backbone's
-step; waiting for it stalled the engine), but never more than `MAX_STEADY_IN_FLIGHT` steps'
-worth behind. A request's chunks always go out in order. A request that ends while its last
-chunk is decoding is finished at once by the engine (blocks and slot freed) and `hold`-ed
-here: its finishing event goes out with that chunk, and its id stays taken until then. Also
-home of the event types the engine returns.
+as one batch per shape, which runs on its own CUDA stream and is read back by `collect` on a
+later step. A request that ends while its last chunk is decoding is finished at once by the
+engine (blocks and slot freed) and `hold`-ed here: its finishing event goes out with that
+chunk, and its id stays taken until then. Also home of the event types the engine returns.
 """
 
 from __future__ import annotations
@@ -24,10 +19,9 @@ from engine.codec.chunk_decoder import ChunkDecoder, DecodedChunk, PendingChunks
 from engine.config import StreamConfig
 from engine.prompt import AudioRow
 from engine.request import FinishReason, Request
-from engine.streaming import AudioStream
+from engine.streaming import AudioStream, ChunkWindow
 
 log = logging.getLogger("clonecast.engine")
-MAX_STEADY_IN_FLIGHT = 3  # submissions of later chunks left decoding before collect waits
 
 
 @dataclass(frozen=True)
@@ -72,9 +66,8 @@ class AudioOutput:
         self.chunks = chunks  # None: the engine has no codec (codes-only requests)
         self.config = config
         self.streams: dict[str, AudioStream] = {}
-        # submitted batches not read back yet, oldest first, with each window's request and
-        # whether they are first chunks (urgent)
-        self.in_flight: list[tuple[PendingChunks, list[Request], bool]] = []
+        # submitted batches not read back yet, oldest first, with each window's request
+        self.in_flight: list[tuple[PendingChunks, list[Request]]] = []
         self.held: dict[str, Request] = {}
 
     def open(self, request_id: str) -> None:
@@ -93,69 +86,28 @@ class AudioOutput:
 
     def submit(self, updates) -> set[str]:
         """Submits the windows that `updates` (request, row, finish reason) made ready, one
-        codec batch per shape; returns the ids of their requests. Windows no longer than a
-        first chunk go to the urgent stream (by length, so each length's codec graph is used
-        by one stream only)."""
-        urgent_len = self.config.first_chunk_frames
-        steady, urgent = ([], []), ([], [])  # (windows, owners) of each
-        streams = self.streams
+        codec batch per shape; returns the ids of their requests."""
+        windows: list[ChunkWindow] = []
+        owners: list[Request] = []
         for request, _, reason in updates:
-            stream = streams.get(request.request_id)
+            stream = self.streams.get(request.request_id)
             if stream is not None:
                 window = stream.next_window(request.output_rows, finished=reason is not None)
                 if window is not None:
-                    short = 0 < window.num_frames and window.window_frames <= urgent_len
-                    to = urgent if short else steady
-                    to[0].append(window)
-                    to[1].append(request)
-        ids = set()
-        for (windows, owners), is_urgent in ((urgent, True), (steady, False)):
-            if windows:
-                pending = self.chunks.submit(windows, urgent=is_urgent)
-                self.in_flight.append((pending, owners, is_urgent))
-                ids.update(r.request_id for r in owners)
-        return ids
+                    windows.append(window)
+                    owners.append(request)
+        if not windows:
+            return set()
+        self.in_flight.append((self.chunks.submit(windows), owners))
+        return {r.request_id for r in owners}
 
-    def collect(
-        self, finish: Callable[[Request, FinishReason], None], wait: bool = True
-    ) -> list[RequestOutput]:
-        """Reads submitted batches and turns their chunks into events: first chunks always
-        (waiting for them), later chunks when ready, or when more than
-        `MAX_STEADY_IN_FLIGHT` submissions of them are outstanding (the oldest, waiting);
-        `wait=False` reads only what is ready. Every batch once nothing else runs
-        (`collect_all`). A chunk is never read before an earlier chunk of its request. A codec
-        failure, or a batch that cannot be read back, ends its requests alone with an error
-        (through `finish` when they are still running)."""
-        steady = sum(not urgent for *_, urgent in self.in_flight)
-        force = max(0, steady - MAX_STEADY_IN_FLIGHT) if wait else 0
-        read, kept, waiting_ids = [], [], set()
-        for entry in self.in_flight:
-            pending, owners, urgent = entry
-            take = pending.ready() or (wait and urgent) or force > 0
-            if take and waiting_ids and not waiting_ids.isdisjoint(r.request_id for r in owners):
-                if not wait:
-                    take = False
-                else:  # an earlier chunk of one of its requests is still decoding: that first
-                    read += kept
-                    kept, waiting_ids = [], set()
-            if not urgent:
-                force -= 1
-            if take:
-                read.append(entry)
-            else:
-                kept.append(entry)
-                waiting_ids.update(r.request_id for r in owners)
-        self.in_flight = kept
-        return self._read(read, finish)
-
-    def collect_all(self, finish: Callable[[Request, FinishReason], None]) -> list[RequestOutput]:
-        """Reads every submitted batch, waiting for those still running."""
-        batches, self.in_flight = self.in_flight, []
-        return self._read(batches, finish)
-
-    def _read(self, batches, finish) -> list[RequestOutput]:
+    def collect(self, finish: Callable[[Request, FinishReason], None]) -> list[RequestOutput]:
+        """Reads every submitted batch (waiting for any still running) and turns its chunks
+        into events. A codec failure, or a batch that cannot be read back, ends its requests
+        alone with an error (through `finish` when they are still running)."""
         outputs = []
-        for pending, owners, _ in batches:
+        batches, self.in_flight = self.in_flight, []
+        for pending, owners in batches:
             try:
                 decoded_chunks = pending.result()
             except Exception as exc:

@@ -297,14 +297,14 @@ class Engine:
             outputs = []
         phases[2] += time.perf_counter() - t2
         if pending is not None:
-            outputs += self._read(pending)  # counts its own phases (gpu_wait, audio, rows)
+            outputs += self._read(pending)  # counts its own phases (gpu_wait, rows)
         if emit_error is not None:
             self._counters.seconds += time.perf_counter() - t0
             raise emit_error
         if self._in_flight is None and launched is None:
             # nothing left on the GPU: hold no audio back
             t3 = time.perf_counter()
-            outputs += self.audio.collect_all(self._finish)
+            outputs += self.audio.collect(self._finish)
             phases[2] += time.perf_counter() - t3
         self._counters.seconds += time.perf_counter() - t0
         return outputs
@@ -327,21 +327,17 @@ class Engine:
         sampled = pending.result()
         t1 = time.perf_counter()
         self._counters.phases[3] += t1 - t0
-        # later chunks that finished decoding while we waited (before this step's windows)
-        outputs = self.audio.collect(self._finish, wait=False)
-        t2 = time.perf_counter()
-        self._counters.phases[2] += t2 - t1
         for request in sampled.requests:
             request.num_inflight -= 1
         updates = self._append_rows(sampled)
         decoding = self.audio.submit(updates)
         if not self.config.row_events:
             updates = [u for u in updates if u[2] is not None]  # finishes only
-        outputs += [
+        outputs = [
             self._output(request, row, reason, request.request_id in decoding)
             for request, row, reason in updates
         ]
-        self._counters.phases[4] += time.perf_counter() - t2
+        self._counters.phases[4] += time.perf_counter() - t1
         return outputs
 
     def _append_rows(self, sampled) -> list[tuple[Request, AudioRow, FinishReason | None]]:

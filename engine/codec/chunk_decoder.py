@@ -49,10 +49,6 @@ class PendingChunks:
         valid once `event` has completed (None: valid now)."""
         self._launched.append((members, pcm, finite, event))
 
-    def ready(self) -> bool:
-        """Whether `result()` would not wait (every batch's copies have completed)."""
-        return all(event is None or event.query() for *_, event in self._launched)
-
     def result(self) -> list[DecodedChunk]:
         for members, pcm, finite, event in self._launched:
             if event is not None:
@@ -81,22 +77,16 @@ class ChunkDecoder:
         self.graphs = None  # a CodecGraphs once captured (CUDA only)
         cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.device) if cuda else None
-        # First chunks (what a listener waits for) go to a stream of the highest priority:
-        # they neither queue behind steady windows nor wait for the backbone's blocks.
-        self.urgent_stream = torch.cuda.Stream(self.device, priority=-5) if cuda else None
 
     def decode(self, windows: list[ChunkWindow]) -> list[DecodedChunk]:
         """Decodes every window (grouped by length) and waits; results in input order."""
         return self.submit(windows).result()
 
     @torch.inference_mode()
-    def submit(self, windows: list[ChunkWindow], urgent: bool = False) -> PendingChunks:
-        """Queues every window's decoding (one batch per window length, on the codec stream,
-        or with `urgent` on the high-priority one) and the copy of its PCM to pinned host
-        memory; returns without waiting on CUDA. A window length must always go to the same
-        stream: its graph's static buffers are reused in that stream's order."""
+    def submit(self, windows: list[ChunkWindow]) -> PendingChunks:
+        """Queues every window's decoding (one batch per window length, on the codec stream)
+        and the copy of its PCM to pinned host memory; returns without waiting on CUDA."""
         pending = PendingChunks(windows, self.hop)
-        stream = self.urgent_stream if urgent else self.stream
         groups: dict[int, list[int]] = defaultdict(list)
         for i, w in enumerate(windows):
             if w.num_frames == 0:
@@ -117,30 +107,29 @@ class ChunkDecoder:
                 ]
             for members in batches:
                 try:
-                    pcm, finite, event = self._launch_batch([windows[i] for i in members], stream)
+                    pcm, finite, event = self._launch_batch([windows[i] for i in members])
                     pending.add_batch(members, pcm, finite, event)
                 except Exception:
                     for i in members:
-                        pending.set_done(i, self._decode_one(windows[i], stream))
+                        pending.set_done(i, self._decode_one(windows[i]))
         return pending
 
-    def _decode_one(self, window: ChunkWindow, stream) -> DecodedChunk:
+    def _decode_one(self, window: ChunkWindow) -> DecodedChunk:
         try:
-            pcm, finite, event = self._launch_batch([window], stream)
+            pcm, finite, event = self._launch_batch([window])
             if event is not None:
                 event.synchronize()
             return _to_chunk(window, pcm.numpy()[0], bool(finite[0]), self.hop)
         except Exception as exc:
             return DecodedChunk(window, b"", f"codec decode failed: {type(exc).__name__}: {exc}")
 
-    def _launch_batch(self, batch: list[ChunkWindow], stream=None):
+    def _launch_batch(self, batch: list[ChunkWindow]):
         """(PCM16 `[B, samples]` and finite flags `[B]` in host memory, the event after which
         they are valid; None on the CPU, where they are valid at once)."""
-        stream = stream or self.stream
-        on_stream = torch.cuda.stream(stream) if stream else contextlib.nullcontext()
+        on_stream = torch.cuda.stream(self.stream) if self.stream else contextlib.nullcontext()
         with on_stream:
             codes = torch.from_numpy(np.stack([w.codes for w in batch]))
-            codes = codes.pin_memory().to(self.device, non_blocking=True) if stream else codes
+            codes = codes.pin_memory().to(self.device, non_blocking=True) if self.stream else codes
             audio = self.graphs.run(codes) if self.graphs is not None else None
             if audio is None:
                 audio = self.decoder(codes)
@@ -148,12 +137,12 @@ class ChunkDecoder:
             self.num_batches += 1
             finite = torch.isfinite(audio).all(dim=1)
             pcm = (audio.clamp(-1.0, 1.0) * 32767.0).round().to(torch.int16)
-            if stream is None:
+            if self.stream is None:
                 return pcm, finite, None
             pcm_host = torch.empty(pcm.shape, dtype=torch.int16, pin_memory=True)
             finite_host = torch.empty(finite.shape, dtype=torch.bool, pin_memory=True)
             pcm_host.copy_(pcm, non_blocking=True)
             finite_host.copy_(finite, non_blocking=True)
             event = torch.cuda.Event()
-            event.record(stream)
+            event.record(self.stream)
             return pcm_host, finite_host, event

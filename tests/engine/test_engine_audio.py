@@ -281,8 +281,8 @@ def test_a_failed_last_chunk_ends_the_request_with_error(engine, monkeypatch):
 
     original = engine.codec.chunks.submit
 
-    def failing_last(windows, urgent=False):
-        pending = original(windows, urgent)
+    def failing_last(windows):
+        pending = original(windows)
         result = pending.result
 
         def with_failure():
