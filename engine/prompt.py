@@ -47,7 +47,7 @@ class Prompt:
     audio_rows: tuple[AudioRow | None, ...]
     prefix_len: int
     # `audio_rows` as int64 `[len, 8]`, -1 where None (what the runner copies to the GPU);
-    # built_prompt makes it from the voice's cached delayed rows
+    # build_prompt makes it from the voice's remembered delayed rows
     rows_array: np.ndarray | None = field(default=None, compare=False, repr=False)
 
     def __len__(self) -> int:
@@ -74,25 +74,30 @@ class Prompt:
 def delay_rows(codes: tuple[AudioRow, ...] | list[AudioRow]) -> list[AudioRow]:
     """Lays out `[T, 8]` frames as `[T + 7, 8]` delayed rows: column c is BOC in rows
     0..c-1, the codes in rows c..c+T-1, EOC after."""
+    return list(_delayed(codes)[0])
+
+
+def _delayed(codes) -> tuple[tuple[AudioRow, ...], np.ndarray]:
+    """The delayed rows and the same as a read-only int64 `[T + 7, 8]` array; a voice's
+    reference (a tuple of tuples) is computed once and remembered."""
     if isinstance(codes, tuple):
         try:
-            return list(_delay_rows_cached(codes))  # a voice's reference, once per request
+            return _delayed_cached(codes)  # a voice's reference, once per request
         except TypeError:  # rows that are lists cannot key the cache
             pass
-    return _delay_rows(codes)
+    return _delayed_uncached(codes)
 
 
 @functools.lru_cache(maxsize=256)
-def _delay_rows_cached(codes: tuple[AudioRow, ...]) -> tuple[AudioRow, ...]:
-    return tuple(_delay_rows(codes))
+def _delayed_cached(codes: tuple[AudioRow, ...]) -> tuple[tuple[AudioRow, ...], np.ndarray]:
+    return _delayed_uncached(codes)
 
 
-@functools.lru_cache(maxsize=256)
-def _delayed_array(delayed: tuple[AudioRow, ...]) -> np.ndarray:
-    """A voice's delayed rows as a read-only int64 array (keyed by the cached rows)."""
-    array = np.array(delayed, dtype=np.int64).reshape(-1, NUM_CODEBOOKS)
+def _delayed_uncached(codes) -> tuple[tuple[AudioRow, ...], np.ndarray]:
+    rows = tuple(_delay_rows(codes))
+    array = np.array(rows, dtype=np.int64).reshape(-1, NUM_CODEBOOKS)
     array.flags.writeable = False
-    return array
+    return rows, array
 
 
 def _delay_rows(codes) -> list[AudioRow]:
@@ -136,7 +141,7 @@ def build_prompt(
             rows += [None] * len(ref_ids)
         ids.append(special.ref_audio)
         rows.append(None)
-        delayed = delay_rows(reference.codes)
+        delayed, delayed_array = _delayed(reference.codes)
         delayed_at = len(ids)
         ids += [special.tts] * len(delayed)
         rows += delayed
@@ -147,12 +152,8 @@ def build_prompt(
     ids += [*text_ids, special.audio]
     rows += [None] * (len(text_ids) + 1)
     array = np.full((len(ids), NUM_CODEBOOKS), -1, dtype=np.int64)
-    if reference is not None and delayed:
-        try:
-            block = _delayed_array(tuple(delayed))
-        except TypeError:  # rows that are lists cannot key the cache
-            block = np.array(delayed, dtype=np.int64)
-        array[delayed_at : delayed_at + len(delayed)] = block
+    if reference is not None:
+        array[delayed_at : delayed_at + len(delayed)] = delayed_array
     return Prompt(tuple(ids), tuple(rows), prefix_len, array)
 
 

@@ -67,7 +67,8 @@ def final_num_frames(num_rows: int) -> int:
     return max(0, num_rows - ROW_LAG - 1)
 
 
-_NO_CODES = np.zeros((NUM_CODEBOOKS, 0), np.int64)
+_NO_CODES = np.zeros((NUM_CODEBOOKS, 0), np.int64)  # every empty window's codes, shared
+_NO_CODES.flags.writeable = False
 
 
 class AudioStream:
