@@ -4,9 +4,11 @@ for the same product: the weight stored transposed (`x @ W^T` as an NN GEMM, oth
 and cuBLASLt instead of cuBLAS (`torch.backends.cuda.preferred_blas_library`). Prints
 achieved weight bandwidth. One call, one table. (A Triton tensor-core skinny GEMM with
 split-K and a Triton GEMV for 1-4 rows were measured against these in graphs and were not
-faster; see docs/PERFORMANCE.md.)
+faster; see docs/PERFORMANCE.md.) `--gemv` instead times kernels/gemv.py (the few-row path,
+each projection with the layer's norm or SiLU folded in, as the model calls it) per tile
+setting, chained as in a step, with and without programmatic dependent launch, against cuBLAS.
 
-    python benchmarks/gemm_shapes.py [--batches 1,32,64,128]
+    python benchmarks/gemm_shapes.py [--batches 1,32,64,128] [--gemv]
 """
 
 from __future__ import annotations
@@ -45,10 +47,74 @@ def bench(fn) -> float:
     return triton.testing.do_bench(fn, return_mode="median") / COPIES
 
 
+# (block_n, block_k, num_warps) tried per shape by --gemv
+GEMV_TILES = [
+    (8, 256, 4),
+    (8, 512, 4),
+    (16, 256, 4),
+    (16, 512, 4),
+    (32, 256, 4),
+    (32, 128, 4),
+    (16, 256, 8),
+    (8, 512, 2),
+    (4, 512, 2),
+]
+GEMV_MODE = {"qkv": "norm", "o_proj": "plain", "gate_up": "norm", "down": "silu"}
+
+
+def gemv_table(batches: list[int]) -> None:
+    """Per shape and row count: cuBLAS in a graph, then the GEMV's best tile with PDL on and
+    the same tile with PDL off (chains of COPIES calls, one weight copy each)."""
+    from kernels.gemv import gemv
+    from kernels.launch import use_pdl
+
+    print(
+        "\n{:<9}{:>3}{:>10}{:>6}  {:<14}{:>9}{:>6}{:>10}{:>6}".format(
+            "gemm", "M", "cuBLAS us", "TB/s", "best tile", "pdl us", "TB/s", "no-pdl us", "TB/s"
+        )
+    )
+    for name, mode in GEMV_MODE.items():
+        n, k = SHAPES[name]
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(COPIES)]
+        gb = n * k * 2 / 1e9
+        for m in batches:
+            x = torch.randn(m, 2 * k if mode == "silu" else k, device="cuda", dtype=torch.bfloat16)
+            r = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            nw = torch.ones(k, device="cuda", dtype=torch.bfloat16)
+            kw = {"norm_weight": nw, "residual": r} if mode == "norm" else {"silu": mode == "silu"}
+            xin = x[:, :k].contiguous()
+            cublas = bench(graphed(lambda xin=xin, ws=ws: [F.linear(xin, w) for w in ws]))
+
+            def chain(tile, pdl, x=x, ws=ws, kw=kw):
+                bn, bk, warps = tile
+                with use_pdl(pdl):
+                    return bench(
+                        graphed(
+                            lambda: [
+                                gemv(x, w, block_n=bn, block_k=bk, num_warps=warps, **kw)
+                                for w in ws
+                            ]
+                        )
+                    )
+
+            timed = sorted((chain(tile, True), tile) for tile in GEMV_TILES)
+            best_us, tile = timed[0]
+            off = chain(tile, False)
+            print(
+                f"{name:<9}{m:>3}{cublas * 1e3:>10.1f}{gb / cublas:>6.2f}  {str(tile):<14}"
+                f"{best_us * 1e3:>9.1f}{gb / best_us:>6.2f}{off * 1e3:>10.1f}{gb / off:>6.2f}"
+            )
+        del ws
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="1,32,64,128")
+    ap.add_argument("--gemv", action="store_true", help="the few-row GEMV table instead")
     args = ap.parse_args()
+    if args.gemv:
+        gemv_table([int(b) for b in args.batches.split(",")])
+        return
     rows = []
     for name, (n, k) in SHAPES.items():
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(COPIES)]

@@ -77,6 +77,8 @@ class Engine:
         attention = make_backend(backend)
         attention.fuse_decode = config.fused_decode_attention is not False  # where it applies
         self.model, self.codec_keys = load_model(checkpoint, attention, device, dtype, fused)
+        self.model.pdl = _resolve_pdl(config.pdl, fused, device)
+        self.model.gemv_max_rows = config.gemv_max_rows if fused else 0
         if config.max_model_len > self.model.config.max_position_embeddings:
             raise ConfigError(
                 f"max_model_len {config.max_model_len} exceeds the model's "
@@ -467,6 +469,16 @@ def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return getattr(torch, name)
+
+
+def _resolve_pdl(setting: bool | None, fused: bool, device: torch.device) -> bool:
+    """EngineConfig.pdl: None -> wherever it applies; True -> required."""
+    from kernels.launch import pdl_supported
+
+    supported = fused and pdl_supported(device)
+    if setting is True and not supported:
+        raise ConfigError("pdl=True needs fused kernels on a GPU of compute capability 9.0+")
+    return supported if setting is None else bool(setting)
 
 
 def _auto_num_blocks(config: EngineConfig, model, device: torch.device) -> int:

@@ -8,6 +8,8 @@ Attention goes through the backend chosen at construction and reads the step's m
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -113,6 +115,14 @@ class TritonOps:
         return silu_mul(gate_up)
 
 
+def _pdl_scope(enabled: bool):
+    if not enabled:
+        return contextlib.nullcontext()
+    from kernels.launch import use_pdl
+
+    return use_pdl(True)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend):
         super().__init__()
@@ -132,7 +142,13 @@ class Attention(nn.Module):
 
     def forward(self, x, positions, kv_cache, rope: RotaryEmbedding, ops):
         t = x.shape[0]
-        qkv = self.qkv_proj(x)
+        out = self.attend(self.qkv_proj(x), positions, kv_cache, rope, ops)
+        return self.o_proj(out.reshape(t, self.q_size))
+
+    def attend(self, qkv, positions, kv_cache, rope: RotaryEmbedding, ops) -> torch.Tensor:
+        """From the fused qkv `[T, (Hq + 2 Hkv) * D]`: q/k norms, RoPE, this step's K/V into
+        the cache, and attention -> `[T, Hq, D]`."""
+        t = qkv.shape[0]
         meta = current_metadata()
         if ops.qk_norm_rope_store is not None and self.backend.fuses_decode(meta, kv_cache):
             # one kernel: norms, RoPE, the K/V store and attention
@@ -146,7 +162,7 @@ class Attention(nn.Module):
             q, k = ops.qk_norm_rope(self, qkv, positions, rope)
             v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
             out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
-        return self.o_proj(out.reshape(t, self.q_size))
+        return out
 
 
 class MLP(nn.Module):
@@ -167,14 +183,32 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, residual, positions, kv_cache, rope, ops):
+    def forward(self, x, residual, positions, kv_cache, rope, ops, few_rows: bool = False):
         """`(x, residual) -> (x, residual)`; the residual sum is carried to the next norm so
-        add and norm run as one step."""
+        add and norm run as one step. `few_rows`: the projections as GEMVs (Triton only)."""
+        if few_rows:
+            return self._forward_gemv(x, residual, positions, kv_cache, rope, ops)
         eps = self.input_layernorm.eps
         h, residual = ops.add_rms_norm(x, residual, self.input_layernorm.weight, eps)
         h = self.self_attn(h, positions, kv_cache, rope, ops)
         h, residual = ops.add_rms_norm(h, residual, self.post_attention_layernorm.weight, eps)
         return self.mlp(h, ops), residual
+
+    def _forward_gemv(self, x, residual, positions, kv_cache, rope, ops):
+        """The same layer for a step of a few rows (kernels/gemv.py): four projection
+        launches with the add + RMSNorm folded into the qkv and gate/up reads and SiLU-mul
+        into the down projection's, plus attention."""
+        from kernels.gemv import gemv
+
+        attn, mlp, eps = self.self_attn, self.mlp, self.input_layernorm.eps
+        norm1, norm2 = self.input_layernorm.weight, self.post_attention_layernorm.weight
+        qkv, residual = gemv(x, attn.qkv_proj.weight, norm_weight=norm1, residual=residual, eps=eps)
+        h = attn.attend(qkv, positions, kv_cache, rope, ops).reshape(x.shape[0], attn.q_size)
+        h = gemv(h, attn.o_proj.weight)
+        gate_up, residual = gemv(
+            h, mlp.gate_up_proj.weight, norm_weight=norm2, residual=residual, eps=eps
+        )
+        return gemv(gate_up, mlp.down_proj.weight, silu=True), residual
 
 
 class HiggsModel(nn.Module):
@@ -192,6 +226,11 @@ class HiggsModel(nn.Module):
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
         offsets = torch.arange(cfg.num_codebooks) * cfg.codebook_size
         self.register_buffer("codebook_offsets", offsets, persistent=False)  # [8]
+        # Execution choices the engine sets (EngineConfig.pdl / gemv_max_rows): Triton
+        # launches with programmatic dependent launch; steps of at most this many tokens run
+        # their projections as fused GEMVs (0: never).
+        self.pdl = False
+        self.gemv_max_rows = 0
 
     def embed_audio(self, rows: torch.Tensor) -> torch.Tensor:
         """Summed audio embedding of rows `[N, 8]`, accumulated in fp32 and rounded once."""
@@ -208,10 +247,12 @@ class HiggsModel(nn.Module):
         return torch.where(is_audio[:, None], audio, text)
 
     def forward(self, embeds, positions, kv_caches: list[torch.Tensor]) -> torch.Tensor:
-        x, residual = embeds, None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, positions, kv_cache, self.rope, self.ops)
-        return self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
+        few_rows = self.ops is TritonOps and embeds.shape[0] <= self.gemv_max_rows
+        with _pdl_scope(self.pdl):
+            x, residual = embeds, None
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                x, residual = layer(x, residual, positions, kv_cache, self.rope, self.ops, few_rows)
+            return self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
 
     def audio_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Tied audio head: `hidden [R, H] @ E.T` as fp32 logits `[R, 8, 1026]`."""

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch import pdl_enter, pdl_launch
+
 
 @triton.jit
 def _store_kv_kernel(
@@ -33,7 +35,9 @@ def _store_kv_kernel(
     PAGE: tl.constexpr,
     HKV: tl.constexpr,
     D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < PAGE:  # the reserved padding block
@@ -75,4 +79,5 @@ def store_kv_fused(
         PAGE=block_size,
         HKV=hkv,
         D=d,
+        **pdl_launch(),
     )

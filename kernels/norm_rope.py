@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch import pdl_enter, pdl_launch
+
 
 @triton.jit
 def _add_rms_norm_kernel(
@@ -24,7 +26,9 @@ def _add_rms_norm_kernel(
     H: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < H
@@ -55,6 +59,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
         H=h,
         BLOCK=triton.next_power_of_2(h),
         HAS_RESIDUAL=residual is not None,
+        **pdl_launch(),
     )
     return out, total
 
@@ -117,7 +122,9 @@ def _qk_norm_rope_kernel(
     HEADS: tl.constexpr,
     STORE: tl.constexpr,
     PAGE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     # One program per token: every q and k head (and with STORE the v heads) as the rows of
     # one [HEADS, D/2] tile pair. With STORE, k and v go straight into the KV cache at the
     # token's slot (padding slots skipped) and k is not written out.
@@ -187,6 +194,7 @@ def _launch_qk_norm_rope(
         HEADS=triton.next_power_of_2(hq + (2 if store else 1) * hkv),
         STORE=store,
         PAGE=page,
+        **pdl_launch(),
     )
     return q
 
@@ -213,7 +221,8 @@ def qk_norm_rope_store(
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, INTER: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, out_ptr, INTER: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < INTER
@@ -230,7 +239,9 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     inter = two_i // 2
     out = torch.empty(t, inter, dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
-    _silu_mul_kernel[(t, triton.cdiv(inter, block))](gate_up, out, INTER=inter, BLOCK=block)
+    _silu_mul_kernel[(t, triton.cdiv(inter, block))](
+        gate_up, out, INTER=inter, BLOCK=block, **pdl_launch()
+    )
     return out
 
 

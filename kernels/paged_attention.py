@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch import pdl_enter, pdl_launch
 from kernels.norm_rope import norm_rope_rows
 
 _LOG2E = 1.4426950408889634
@@ -87,7 +88,9 @@ def _paged_attention_kernel(
     HQ: tl.constexpr,
     HKV: tl.constexpr,
     FUSED_ROWS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     seq, mblock, kv_head = _program_ids(HEADS_FIRST)
     q_start = tl.load(qsl_ptr + seq)
     q_len = tl.load(qsl_ptr + seq + 1) - q_start
@@ -324,6 +327,7 @@ def _launch(
         FUSED_ROWS=triton.next_power_of_2(group + 2),
         num_warps=num_warps,
         num_stages=num_stages,
+        **pdl_launch(),
     )
     return out
 

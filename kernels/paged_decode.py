@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch import pdl_enter, pdl_launch
 from kernels.paged_attention import _LOG2E, _check_same_strides, _load_k
 
 
@@ -41,7 +42,9 @@ def _decode_split_kernel(
     SPLITS: tl.constexpr,
     K_ROWS: tl.constexpr,
     HEADS_FIRST: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     # Decode rows only (one query token per sequence): KV range split over SPLITS programs.
     # Grid (sequences, KV heads, splits), or (KV heads, splits, sequences) with HEADS_FIRST.
     if HEADS_FIRST:
@@ -99,7 +102,9 @@ def _decode_reduce_kernel(
     HQ: tl.constexpr,
     D: tl.constexpr,
     SPLITS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     q_start = tl.load(qsl_ptr + seq)
@@ -180,6 +185,7 @@ def paged_decode_attention(
         HEADS_FIRST=heads_first,
         num_warps=num_warps,
         num_stages=num_stages,
+        **pdl_launch(),
     )
     _decode_reduce_kernel[(num_seqs, hq)](
         part_o,
@@ -191,5 +197,6 @@ def paged_decode_attention(
         HQ=hq,
         D=d,
         SPLITS=splits,
+        **pdl_launch(),
     )
     return out

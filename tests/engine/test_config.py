@@ -385,3 +385,11 @@ def test_voice_reference_codes_out_of_range(bad):
     row[5] = bad
     with pytest.raises(ConfigError, match=r"outside \[0, 1023\]"):
         VoiceReference(((3,) * 8, (3,) * 8, tuple(row)))
+
+
+def test_pdl_and_gemv_settings_are_validated():
+    with pytest.raises(ConfigError, match="gemv_max_rows"):
+        EngineConfig(gemv_max_rows=9)
+    with pytest.raises(ConfigError, match="pdl"):
+        EngineConfig(pdl=True)  # the CPU has no dependent launch
+    assert EngineConfig(gemv_max_rows=8, pdl=False).gemv_max_rows == 8

@@ -252,6 +252,37 @@ def test_fused_decode_attention_gives_the_same_rows(tiny_ckpt, dtype, monkeypatc
 
 
 @pytest.mark.cuda
+def test_pdl_and_gemv_steps_give_the_same_rows(tiny_ckpt, monkeypatch):
+    """Programmatic dependent launch changes no number (the same rows as without it), and the
+    few-row GEMV path (every decode step here: at most 8 tokens) gives the rows of the cuBLAS
+    path in fp32, in graphs and eagerly."""
+    from kernels import gemv as gemv_module
+
+    calls = []
+    original = gemv_module.gemv
+    monkeypatch.setattr(gemv_module, "gemv", lambda *a, **k: calls.append(1) or original(*a, **k))
+    base = dict(device="cuda", dtype="float32", max_num_seqs=8, num_kv_blocks=512)
+    texts = [f"dependent launch {i}" for i in range(6)]
+    params = [SamplingParams(seed=40 + i, max_rows=22 + 3 * i) for i in range(6)]
+    rows = {}
+    for pdl, gemv_rows, graphs in [
+        (False, 0, True),
+        (True, 0, True),
+        (True, 8, True),
+        (True, 8, False),
+        (False, 8, True),
+    ]:
+        config = EngineConfig(pdl=pdl, gemv_max_rows=gemv_rows, cuda_graphs=graphs, **base)
+        engine = Engine.from_pretrained(tiny_ckpt, config)
+        assert engine.model.pdl is pdl
+        calls.clear()
+        rows[pdl, gemv_rows, graphs] = [r.rows for r in engine.generate(texts, params=params)]
+        assert bool(calls) == (gemv_rows > 0)
+    first = rows[False, 0, True]
+    assert all(r == first for r in rows.values())
+
+
+@pytest.mark.cuda
 def test_a_warmed_decode_step_makes_no_implicit_host_sync(tiny_ckpt):
     """Inside `step()` the only wait is the designated, explicit one for the sampled rows;
     no tensor operation may synchronise implicitly (`.item()`, pageable copies, nonzero...)."""
