@@ -49,60 +49,65 @@ def bench(fn) -> float:
 
 # (block_n, block_k, num_warps) tried per shape by --gemv
 GEMV_TILES = [
-    (8, 256, 4),
+    (4, 512, 2),
+    (8, 512, 2),
     (8, 512, 4),
+    (8, 256, 4),
     (16, 256, 4),
     (16, 512, 4),
-    (32, 256, 4),
+    (4, 1024, 4),
+    (2, 1024, 2),
     (32, 128, 4),
-    (16, 256, 8),
-    (8, 512, 2),
-    (4, 512, 2),
 ]
-GEMV_MODE = {"qkv": "norm", "o_proj": "plain", "gate_up": "norm", "down": "silu"}
+# how the few-row layer calls each projection (kernels/gemv.py modes)
+GEMV_MODE = {"qkv": "norm", "o_proj": "residual", "gate_up": "norm+gated", "down": "residual"}
+
+
+def _gemv_call(mode, m, n, k):
+    """(input, keyword arguments) of one projection as the layer calls it."""
+    from kernels.gemv import square_sums
+
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    kw = {}
+    if "norm" in mode:
+        kw = {
+            "norm_weight": torch.ones(k, device="cuda", dtype=torch.bfloat16),
+            "partials": square_sums(x),
+            "gated": "gated" in mode,
+        }
+    elif mode == "residual":
+        kw = {"residual": torch.randn(m, n, device="cuda", dtype=torch.bfloat16)}
+    return x, kw
 
 
 def gemv_table(batches: list[int]) -> None:
-    """Per shape and row count: cuBLAS in a graph, then the GEMV's best tile with PDL on and
-    the same tile with PDL off (chains of COPIES calls, one weight copy each)."""
-    from kernels.gemv import gemv
+    """Per shape and row count: cuBLAS in a graph, our GEMV in the layer's mode plain (no
+    folding) at the shape's tuned tile, then folded at the best tile with PDL on and the same
+    tile with PDL off (chains of COPIES calls, one weight copy each)."""
+    from kernels.gemv import TILES, gemv
     from kernels.launch import use_pdl
 
-    print(
-        "\n{:<9}{:>3}{:>10}{:>6}  {:<14}{:>9}{:>6}{:>10}{:>6}".format(
-            "gemm", "M", "cuBLAS us", "TB/s", "best tile", "pdl us", "TB/s", "no-pdl us", "TB/s"
-        )
-    )
+    head = ("gemm", "M", "cuBLAS", "TB/s", "plain", "best tile", "folded", "TB/s", "no-pdl")
+    print("\n{:<9}{:>3}{:>8}{:>6}{:>8}  {:<15}{:>8}{:>6}{:>8}   (us)".format(*head))
     for name, mode in GEMV_MODE.items():
         n, k = SHAPES[name]
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(COPIES)]
         gb = n * k * 2 / 1e9
         for m in batches:
-            x = torch.randn(m, 2 * k if mode == "silu" else k, device="cuda", dtype=torch.bfloat16)
-            r = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            nw = torch.ones(k, device="cuda", dtype=torch.bfloat16)
-            kw = {"norm_weight": nw, "residual": r} if mode == "norm" else {"silu": mode == "silu"}
-            xin = x[:, :k].contiguous()
-            cublas = bench(graphed(lambda xin=xin, ws=ws: [F.linear(xin, w) for w in ws]))
+            x, kw = _gemv_call(mode, m, n // 2 if "gated" in mode else n, k)
+            cublas = bench(graphed(lambda x=x, ws=ws: [F.linear(x, w) for w in ws]))
 
-            def chain(tile, pdl, x=x, ws=ws, kw=kw):
-                bn, bk, warps = tile
+            def chain(tile, pdl, kw, x=x, ws=ws):
                 with use_pdl(pdl):
-                    return bench(
-                        graphed(
-                            lambda: [
-                                gemv(x, w, block_n=bn, block_k=bk, num_warps=warps, **kw)
-                                for w in ws
-                            ]
-                        )
-                    )
+                    return bench(graphed(lambda: [gemv(x, w, tile=tile, **kw) for w in ws]))
 
-            timed = sorted((chain(tile, True), tile) for tile in GEMV_TILES)
+            plain = chain(TILES[(n, k)], True, {})
+            timed = sorted((chain(tile, True, kw), tile) for tile in GEMV_TILES)
             best_us, tile = timed[0]
-            off = chain(tile, False)
+            off = chain(tile, False, kw)
             print(
-                f"{name:<9}{m:>3}{cublas * 1e3:>10.1f}{gb / cublas:>6.2f}  {str(tile):<14}"
-                f"{best_us * 1e3:>9.1f}{gb / best_us:>6.2f}{off * 1e3:>10.1f}{gb / off:>6.2f}"
+                f"{name:<9}{m:>3}{cublas * 1e3:>8.1f}{gb / cublas:>6.2f}{plain * 1e3:>8.1f}  "
+                f"{str(tile):<15}{best_us * 1e3:>8.1f}{gb / best_us:>6.2f}{off * 1e3:>8.1f}"
             )
         del ws
 

@@ -183,32 +183,31 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, residual, positions, kv_cache, rope, ops, few_rows: bool = False):
+    def forward(self, x, residual, positions, kv_cache, rope, ops):
         """`(x, residual) -> (x, residual)`; the residual sum is carried to the next norm so
-        add and norm run as one step. `few_rows`: the projections as GEMVs (Triton only)."""
-        if few_rows:
-            return self._forward_gemv(x, residual, positions, kv_cache, rope, ops)
+        add and norm run as one step."""
         eps = self.input_layernorm.eps
         h, residual = ops.add_rms_norm(x, residual, self.input_layernorm.weight, eps)
         h = self.self_attn(h, positions, kv_cache, rope, ops)
         h, residual = ops.add_rms_norm(h, residual, self.post_attention_layernorm.weight, eps)
         return self.mlp(h, ops), residual
 
-    def _forward_gemv(self, x, residual, positions, kv_cache, rope, ops):
-        """The same layer for a step of a few rows (kernels/gemv.py): four projection
-        launches with the add + RMSNorm folded into the qkv and gate/up reads and SiLU-mul
-        into the down projection's, plus attention."""
+    def forward_few_rows(self, stream, parts, positions, kv_cache, rope, ops):
+        """The same layer for a step of a few rows (kernels/gemv.py), on the residual stream
+        `[T, H]` and its partial sums of squares: four projection launches with the norms,
+        the residual adds and SiLU-mul folded in, plus attention. Returns the next
+        `(stream, parts)`."""
         from kernels.gemv import gemv
 
         attn, mlp, eps = self.self_attn, self.mlp, self.input_layernorm.eps
         norm1, norm2 = self.input_layernorm.weight, self.post_attention_layernorm.weight
-        qkv, residual = gemv(x, attn.qkv_proj.weight, norm_weight=norm1, residual=residual, eps=eps)
-        h = attn.attend(qkv, positions, kv_cache, rope, ops).reshape(x.shape[0], attn.q_size)
-        h = gemv(h, attn.o_proj.weight)
-        gate_up, residual = gemv(
-            h, mlp.gate_up_proj.weight, norm_weight=norm2, residual=residual, eps=eps
+        qkv = gemv(stream, attn.qkv_proj.weight, norm_weight=norm1, partials=parts, eps=eps)
+        h = attn.attend(qkv, positions, kv_cache, rope, ops).reshape(stream.shape[0], -1)
+        stream, parts = gemv(h, attn.o_proj.weight, residual=stream)
+        act = gemv(
+            stream, mlp.gate_up_proj.weight, norm_weight=norm2, partials=parts, eps=eps, gated=True
         )
-        return gemv(gate_up, mlp.down_proj.weight, silu=True), residual
+        return gemv(act, mlp.down_proj.weight, residual=stream)
 
 
 class HiggsModel(nn.Module):
@@ -249,10 +248,21 @@ class HiggsModel(nn.Module):
     def forward(self, embeds, positions, kv_caches: list[torch.Tensor]) -> torch.Tensor:
         few_rows = self.ops is TritonOps and embeds.shape[0] <= self.gemv_max_rows
         with _pdl_scope(self.pdl):
+            if few_rows:
+                return self._forward_few_rows(embeds, positions, kv_caches)
             x, residual = embeds, None
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-                x, residual = layer(x, residual, positions, kv_cache, self.rope, self.ops, few_rows)
+                x, residual = layer(x, residual, positions, kv_cache, self.rope, self.ops)
             return self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
+
+    def _forward_few_rows(self, embeds, positions, kv_caches):
+        from kernels.gemv import square_sums
+
+        stream, parts = embeds, square_sums(embeds)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            args = (positions, kv_cache, self.rope, self.ops)
+            stream, parts = layer.forward_few_rows(stream, parts, *args)
+        return self.ops.add_rms_norm(stream, None, self.norm.weight, self.norm.eps)[0]
 
     def audio_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Tied audio head: `hidden [R, H] @ E.T` as fp32 logits `[R, 8, 1026]`."""
