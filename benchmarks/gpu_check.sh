@@ -4,7 +4,6 @@
 # to /tmp/full-codec. Parts, by environment variable:
 #   ATTN=1       the attention kernel sweep (benchmarks/attention_shapes.py)
 #   GEMM=1       the cuBLAS GEMM table (GEMM_B: batch sizes)
-#   GEMV=1       the few-row GEMV against cuBLAS, PDL on/off, per tile (GEMV_B: row counts)
 #   SKIP_CODEC=1 skips the codec throughput table (CODEC_ARGS: its arguments)
 #   PYTEST_ARGS  tests to run (default: the whole suite; "" skips them)
 #   LOOP=1       the engine alone under the served load, async vs sync (LOOP_C: concurrencies)
@@ -37,9 +36,6 @@ if [ "${ATTN:-0}" = 1 ]; then
 fi
 if [ "${GEMM:-0}" = 1 ]; then
   timeout 200 python3 benchmarks/gemm_shapes.py --batches ${GEMM_B:-1,64,128} 2>&1 | tee "$OUT/gemm.log" | grep -v "^(" | tail -17
-fi
-if [ "${GEMV:-0}" = 1 ]; then
-  timeout 240 python3 benchmarks/gemm_shapes.py --gemv --batches ${GEMV_B:-1,2,4} 2>&1 | tee "$OUT/gemv.log" | tail -14
 fi
 [ -n "${SKIP_CODEC:-}" ] || timeout 150 python3 benchmarks/codec_throughput.py ${CODEC_ARGS:-} 2>&1 | tee "$OUT/codec_throughput.log" | tail -24
 TESTS=${PYTEST_ARGS-tests}

@@ -176,9 +176,6 @@ class EngineConfig:
     # each may start while the previous kernel finishes. None: on with fused kernels on a GPU
     # of compute capability 9.0 or later; True: required (an error where it cannot apply).
     pdl: bool | None = None
-    # Steps of at most this many tokens (graph buckets included) run each layer's projections
-    # as GEMVs with the norms and SiLU folded in (kernels/gemv.py; fused kernels only); 0: never.
-    gemv_max_rows: int = 0
     cuda_graphs: bool = True  # FULL backbone graphs (CUDA with the Triton backend); False: eager
     # The host schedules and launches step N+1 before it reads step N's rows (one step in
     # flight); False: each step's rows are read before the next step is scheduled.
@@ -243,8 +240,6 @@ class EngineConfig:
             raise ConfigError(
                 "fused_decode_attention needs fused_kernels and the Triton attention backend"
             )
-        if not 0 <= self.gemv_max_rows <= 8:
-            raise ConfigError(f"gemv_max_rows must be in 0..8, got {self.gemv_max_rows}")
         if self.pdl is True and (self.device == "cpu" or not self.fused_kernels):
             raise ConfigError("pdl needs fused_kernels on a CUDA device (compute capability 9+)")
         if self.kv_cache_layout not in ("nhd", "hnd"):

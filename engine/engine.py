@@ -78,7 +78,6 @@ class Engine:
         attention.fuse_decode = config.fused_decode_attention is not False  # where it applies
         self.model, self.codec_keys = load_model(checkpoint, attention, device, dtype, fused)
         self.model.pdl = _resolve_pdl(config.pdl, fused, device)
-        self.model.gemv_max_rows = config.gemv_max_rows if fused else 0
         if config.max_model_len > self.model.config.max_position_embeddings:
             raise ConfigError(
                 f"max_model_len {config.max_model_len} exceeds the model's "

@@ -142,13 +142,7 @@ class Attention(nn.Module):
 
     def forward(self, x, positions, kv_cache, rope: RotaryEmbedding, ops):
         t = x.shape[0]
-        out = self.attend(self.qkv_proj(x), positions, kv_cache, rope, ops)
-        return self.o_proj(out.reshape(t, self.q_size))
-
-    def attend(self, qkv, positions, kv_cache, rope: RotaryEmbedding, ops) -> torch.Tensor:
-        """From the fused qkv `[T, (Hq + 2 Hkv) * D]`: q/k norms, RoPE, this step's K/V into
-        the cache, and attention -> `[T, Hq, D]`."""
-        t = qkv.shape[0]
+        qkv = self.qkv_proj(x)
         meta = current_metadata()
         if ops.qk_norm_rope_store is not None and self.backend.fuses_decode(meta, kv_cache):
             # one kernel: norms, RoPE, the K/V store and attention
@@ -162,7 +156,7 @@ class Attention(nn.Module):
             q, k = ops.qk_norm_rope(self, qkv, positions, rope)
             v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
             out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
-        return out
+        return self.o_proj(out.reshape(t, self.q_size))
 
 
 class MLP(nn.Module):
@@ -192,23 +186,6 @@ class DecoderLayer(nn.Module):
         h, residual = ops.add_rms_norm(h, residual, self.post_attention_layernorm.weight, eps)
         return self.mlp(h, ops), residual
 
-    def forward_few_rows(self, stream, parts, positions, kv_cache, rope, ops):
-        """The same layer for a step of a few rows (kernels/gemv.py), on the residual stream
-        `[T, H]` and its partial sums of squares: four projection launches with the norms,
-        the residual adds and SiLU-mul folded in, plus attention. Returns the next
-        `(stream, parts)`."""
-        from kernels.gemv import gemv
-
-        attn, mlp, eps = self.self_attn, self.mlp, self.input_layernorm.eps
-        norm1, norm2 = self.input_layernorm.weight, self.post_attention_layernorm.weight
-        qkv = gemv(stream, attn.qkv_proj.weight, norm_weight=norm1, partials=parts, eps=eps)
-        h = attn.attend(qkv, positions, kv_cache, rope, ops).reshape(stream.shape[0], -1)
-        stream, parts = gemv(h, attn.o_proj.weight, residual=stream)
-        act = gemv(
-            stream, mlp.gate_up_proj.weight, norm_weight=norm2, partials=parts, eps=eps, gated=True
-        )
-        return gemv(act, mlp.down_proj.weight, residual=stream)
-
 
 class HiggsModel(nn.Module):
     """`forward(embeds [T, H], positions [T], kv_caches) -> hidden [T, H]` (after the final
@@ -225,11 +202,7 @@ class HiggsModel(nn.Module):
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
         offsets = torch.arange(cfg.num_codebooks) * cfg.codebook_size
         self.register_buffer("codebook_offsets", offsets, persistent=False)  # [8]
-        # Execution choices the engine sets (EngineConfig.pdl / gemv_max_rows): Triton
-        # launches with programmatic dependent launch; steps of at most this many tokens run
-        # their projections as fused GEMVs (0: never).
-        self.pdl = False
-        self.gemv_max_rows = 0
+        self.pdl = False  # Triton launches use programmatic dependent launch (EngineConfig.pdl)
 
     def embed_audio(self, rows: torch.Tensor) -> torch.Tensor:
         """Summed audio embedding of rows `[N, 8]`, accumulated in fp32 and rounded once."""
@@ -246,23 +219,11 @@ class HiggsModel(nn.Module):
         return torch.where(is_audio[:, None], audio, text)
 
     def forward(self, embeds, positions, kv_caches: list[torch.Tensor]) -> torch.Tensor:
-        few_rows = self.ops is TritonOps and embeds.shape[0] <= self.gemv_max_rows
         with _pdl_scope(self.pdl):
-            if few_rows:
-                return self._forward_few_rows(embeds, positions, kv_caches)
             x, residual = embeds, None
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
                 x, residual = layer(x, residual, positions, kv_cache, self.rope, self.ops)
             return self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
-
-    def _forward_few_rows(self, embeds, positions, kv_caches):
-        from kernels.gemv import square_sums
-
-        stream, parts = embeds, square_sums(embeds)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            args = (positions, kv_cache, self.rope, self.ops)
-            stream, parts = layer.forward_few_rows(stream, parts, *args)
-        return self.ops.add_rms_norm(stream, None, self.norm.weight, self.norm.eps)[0]
 
     def audio_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Tied audio head: `hidden [R, H] @ E.T` as fp32 logits `[R, 8, 1026]`."""

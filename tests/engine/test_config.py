@@ -387,9 +387,9 @@ def test_voice_reference_codes_out_of_range(bad):
         VoiceReference(((3,) * 8, (3,) * 8, tuple(row)))
 
 
-def test_pdl_and_gemv_settings_are_validated():
-    with pytest.raises(ConfigError, match="gemv_max_rows"):
-        EngineConfig(gemv_max_rows=9)
+def test_pdl_setting_is_validated():
     with pytest.raises(ConfigError, match="pdl"):
         EngineConfig(pdl=True)  # the CPU has no dependent launch
-    assert EngineConfig(gemv_max_rows=8, pdl=False).gemv_max_rows == 8
+    with pytest.raises(ConfigError, match="pdl"):
+        EngineConfig(device="cuda", pdl=True, fused_kernels=False)
+    assert EngineConfig(device="cuda", pdl=True).pdl is True

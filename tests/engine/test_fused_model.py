@@ -29,15 +29,12 @@ CFG = ModelConfig(
 PAGE, BLOCKS = 4, 8
 
 
-def _run(
-    fused: bool, backend: str, layout: str = "nhd", fuse_decode: bool = False, gemv: bool = False
-):
+def _run(fused: bool, backend: str, layout: str = "nhd", fuse_decode: bool = False):
     torch.manual_seed(0)
     attention = make_backend(backend)
     if fuse_decode:  # one launch for decode steps, even for these few sequences (no split)
         attention.fuse_decode, attention.split_target = True, 1
     model = HiggsModel(CFG, attention, fused)
-    model.gemv_max_rows = 3 if gemv else 0  # the 3-token decode step, not the 9-token prefill
     for p in model.parameters():
         torch.nn.init.normal_(p, std=0.2)
     caches = [torch.zeros(2, BLOCKS, PAGE, 2, 16) for _ in range(CFG.num_layers)]
@@ -82,18 +79,10 @@ def _run(
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 @pytest.mark.parametrize("layout", ["nhd", "hnd"])
 @pytest.mark.parametrize(
-    "backend, fuse_decode, gemv",
-    [
-        ("torch", False, False),
-        ("triton", False, False),
-        ("triton", True, False),
-        ("triton", False, True),
-        ("triton", True, True),
-    ],
+    "backend, fuse_decode", [("torch", False), ("triton", False), ("triton", True)]
 )
-def test_fused_ops_equal_torch_ops(backend, layout, fuse_decode, gemv, monkeypatch):
+def test_fused_ops_equal_torch_ops(backend, layout, fuse_decode, monkeypatch):
     from engine.attention import TritonAttention
-    from kernels import gemv as gemv_module
 
     ref_hidden, ref_caches = _run(False, "torch")
     calls = []
@@ -101,14 +90,8 @@ def test_fused_ops_equal_torch_ops(backend, layout, fuse_decode, gemv, monkeypat
     monkeypatch.setattr(
         TritonAttention, "decode_fused", lambda self, *a: calls.append(1) or original(self, *a)
     )
-    gemvs = []
-    original_gemv = gemv_module.gemv
-    monkeypatch.setattr(
-        gemv_module, "gemv", lambda *a, **k: gemvs.append(1) or original_gemv(*a, **k)
-    )
-    hidden, caches = _run(True, backend, layout, fuse_decode, gemv)
+    hidden, caches = _run(True, backend, layout, fuse_decode)
     assert len(calls) == (CFG.num_layers if fuse_decode else 0)  # the decode step, every layer
-    assert len(gemvs) == (4 * CFG.num_layers if gemv else 0)  # four projections a layer
     torch.testing.assert_close(hidden, ref_hidden, rtol=1e-5, atol=1e-5)
     for cache, ref in zip(caches, ref_caches, strict=True):
         torch.testing.assert_close(cache[:, 1:], ref[:, 1:], rtol=1e-5, atol=1e-5)
