@@ -5,7 +5,7 @@
 #   ATTN=1       the attention kernel sweep (benchmarks/attention_shapes.py)
 #   GEMM=1       the cuBLAS GEMM table (GEMM_B: batch sizes)
 #   SKIP_CODEC=1 skips the codec throughput table (CODEC_ARGS: its arguments)
-#   PYTEST_ARGS  tests to run (default: the whole suite; "" skips them)
+#   PYTEST_ARGS  tests to run (default: the whole suite; "" skips them); TESTS_K: a -k filter
 #   LOOP=1       the engine alone under the served load, async vs sync (LOOP_C: concurrencies)
 #   LOOP_AB      the same load per EngineConfig override set, e.g.
 #                "sampler_noise_kernel=true kv_cache_layout=hnd+sampler_noise_kernel=false"
@@ -40,7 +40,7 @@ fi
 [ -n "${SKIP_CODEC:-}" ] || timeout 150 python3 benchmarks/codec_throughput.py ${CODEC_ARGS:-} 2>&1 | tee "$OUT/codec_throughput.log" | tail -24
 TESTS=${PYTEST_ARGS-tests}
 if [ -n "$TESTS" ]; then
-  timeout ${TESTS_LIMIT:-400} python3 -m pytest -q -rs -p no:cacheprovider $TESTS -s 2>&1 | tee "$OUT/tests.log" | grep -E "passed|failed|error|worst|rel err|FAILED|Error" | tail -20
+  timeout ${TESTS_LIMIT:-400} python3 -m pytest -q -rs -p no:cacheprovider $TESTS ${TESTS_K:+-k "$TESTS_K"} -s 2>&1 | tee "$OUT/tests.log" | grep -E "passed|failed|error|worst|rel err|FAILED|Error" | tail -20
 fi
 if [ "${LOOP:-0}" = 1 ]; then
   timeout 300 python3 benchmarks/engine_loop.py --model $CKPT --concurrency ${LOOP_C:-1,32,64} --warmup-s 4 --timed-s 6 ${LOOP_ARGS:-} --profile "$OUT/loop_profile.txt" 2>&1 | tee "$OUT/engine_loop.log" | grep -v "^{" | tail -9

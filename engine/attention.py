@@ -95,6 +95,12 @@ class AttentionBackend(Protocol):
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
     _, _, block_size, hkv, d = kv_cache.shape
+    if kv_cache.dtype == torch.float8_e4m3fn:
+        # saturate as the kernels do (torch's cast gives NaN), then copy bytes: the CPU has no
+        # float8 index_copy_
+        top = torch.finfo(kv_cache.dtype).max
+        k, v = (x.clamp(-top, top).to(kv_cache.dtype).view(torch.uint8) for x in (k, v))
+        kv_cache = kv_cache.view(torch.uint8)
     k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)
     if kv_cache.is_contiguous():  # "nhd": a slot is one row of the flattened cache
         flat = kv_cache.view(2, -1, hkv, d)

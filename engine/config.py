@@ -161,6 +161,10 @@ class EngineConfig:
     # Memory order of each layer's KV cache: "nhd" [blocks, page, heads, dim] or "hnd"
     # [blocks, heads, page, dim] (one head's page contiguous). Backends see the same shape.
     kv_cache_layout: str = "nhd"
+    # The cache's element type: "auto" (the model's dtype) or "fp8" (float8 e4m3, no scale,
+    # saturating at +-448): half the cache memory (twice the blocks) and half the bytes
+    # attention reads each step; lossy. Triton or torch attention backends only.
+    kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     # auto: triton on CUDA, torch on the CPU; varlen: PyTorch's FlashAttention; flash: the
     # flash-attn package (optional extra). varlen and flash: CUDA, eager (no graphs).
@@ -242,6 +246,13 @@ class EngineConfig:
             )
         if self.pdl is True and (self.device == "cpu" or not self.fused_kernels):
             raise ConfigError("pdl needs fused_kernels on a CUDA device (compute capability 9+)")
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            raise ConfigError(f"kv_cache_dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype == "fp8" and self.attention_backend in ("varlen", "flash"):
+            raise ConfigError(
+                "kv_cache_dtype='fp8' needs the triton (or torch) attention backend; the "
+                f"{self.attention_backend} backend reads a cache of the model's dtype"
+            )
         if self.kv_cache_layout not in ("nhd", "hnd"):
             raise ConfigError(f"kv_cache_layout must be nhd or hnd, got {self.kv_cache_layout!r}")
 

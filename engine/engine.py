@@ -30,7 +30,7 @@ from engine.cuda_graphs import CudaGraphs, SamplerGraphs
 from engine.loader import load_model, resolve_checkpoint
 from engine.prompt import AudioRow, TextChecker, build_prompt
 from engine.request import FinishReason, Request
-from engine.runner import ModelRunner, PendingStep
+from engine.runner import ModelRunner, PendingStep, kv_cache_dtype
 from engine.scheduler import Scheduler
 from engine.stats import EngineStats, StepCounters
 from engine.tokenizer import HiggsTokenizer
@@ -485,7 +485,7 @@ def _auto_num_blocks(config: EngineConfig, model, device: torch.device) -> int:
     four times over (room for the prefix cache): a small model must not get millions of
     blocks. On the CPU, every sequence at full length once."""
     cfg = model.config
-    elem = model.embed_tokens.weight.element_size()
+    elem = kv_cache_dtype(config, model.embed_tokens.weight.dtype).itemsize
     block_bytes = cfg.num_layers * 2 * config.block_size * cfg.num_kv_heads * cfg.head_dim * elem
     full = config.max_num_seqs * config.max_blocks_per_seq
     if device.type == "cuda":

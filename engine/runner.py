@@ -59,6 +59,11 @@ class PendingStep:
         )
 
 
+def kv_cache_dtype(config: EngineConfig, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's element type (EngineConfig.kv_cache_dtype)."""
+    return torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else model_dtype
+
+
 def sample_buckets(max_rows: int) -> tuple[int, ...]:
     """Row counts the sampler runs at: 1, 2, 4, then multiples of 8, and `max_rows`."""
     buckets = {b for b in (1, 2, 4) if b < max_rows} | set(range(8, max_rows, 8)) | {max_rows}
@@ -106,7 +111,7 @@ class ModelRunner:
         self.config = config
         cfg = model.config
         self.device = model.embed_tokens.weight.device
-        dtype = model.embed_tokens.weight.dtype
+        dtype = kv_cache_dtype(config, model.embed_tokens.weight.dtype)
         # Every layer's cache as backends see it: [2, blocks, page, Hkv, D]; "hnd" allocates
         # [2, blocks, Hkv, page, D] (one head's page contiguous) and hands out the permuted view.
         hnd = config.kv_cache_layout == "hnd"

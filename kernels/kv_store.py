@@ -7,6 +7,9 @@ page, Hkv, D]` as allocated, or a view of a head-major allocation (`[2, blocks, 
 D]` permuted). Padding rows (slots inside the reserved block 0) are skipped: nothing reads
 them, so writing them would only cost bandwidth. The torch reference is
 `engine.attention.store_kv`, which writes every row including padding.
+
+A float8 (e4m3) cache stores each value rounded to nearest and saturated at +-448 (`to_cache`,
+also used by the other kernels that write the cache); readers convert back to the query dtype.
 """
 
 from __future__ import annotations
@@ -16,6 +19,14 @@ import triton
 import triton.language as tl
 
 from kernels.launch import pdl_enter, pdl_launch
+
+
+@triton.jit
+def to_cache(x, cdtype: tl.constexpr):
+    """`x` in the cache's dtype; float8 e4m3 saturates at +-448 instead of becoming NaN."""
+    if cdtype == tl.float8e4nv:
+        x = tl.minimum(tl.maximum(x.to(tl.float32), -448.0), 448.0)
+    return x.to(cdtype)
 
 
 @triton.jit
@@ -47,8 +58,8 @@ def _store_kv_kernel(
     k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d)
     v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d)
     dst = cache_ptr + (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs + h * stride_ch + d
-    tl.store(dst, k.to(cache_ptr.dtype.element_ty))
-    tl.store(dst + stride_cp, v.to(cache_ptr.dtype.element_ty))
+    tl.store(dst, to_cache(k, cache_ptr.dtype.element_ty))
+    tl.store(dst + stride_cp, to_cache(v, cache_ptr.dtype.element_ty))
 
 
 def store_kv_fused(

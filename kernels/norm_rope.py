@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.kv_store import to_cache
 from kernels.launch import pdl_enter, pdl_launch
 
 
@@ -149,11 +150,11 @@ def _qk_norm_rope_kernel(
         cdtype = cache_ptr.dtype.element_ty
         at = cache_ptr + (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs
         k_row = at + (head[:, None] - HQ) * stride_ch
-        tl.store(k_row + half[None, :], o1.to(cdtype), mask=is_k[:, None] & keep)
-        tl.store(k_row + D // 2 + half[None, :], o2.to(cdtype), mask=is_k[:, None] & keep)
+        tl.store(k_row + half[None, :], to_cache(o1, cdtype), mask=is_k[:, None] & keep)
+        tl.store(k_row + D // 2 + half[None, :], to_cache(o2, cdtype), mask=is_k[:, None] & keep)
         v_row = at + stride_cp + (head[:, None] - HQ - HKV) * stride_ch
-        tl.store(v_row + half[None, :], x1.to(cdtype), mask=is_v[:, None] & keep)
-        tl.store(v_row + D // 2 + half[None, :], x2.to(cdtype), mask=is_v[:, None] & keep)
+        tl.store(v_row + half[None, :], to_cache(x1, cdtype), mask=is_v[:, None] & keep)
+        tl.store(v_row + D // 2 + half[None, :], to_cache(x2, cdtype), mask=is_v[:, None] & keep)
     else:
         k_row = k_ptr + token * HKV * D + (head[:, None] - HQ) * D
         tl.store(k_row + half[None, :], o1, mask=is_k[:, None])

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.kv_store import to_cache
 from kernels.launch import pdl_enter, pdl_launch
 from kernels.norm_rope import norm_rope_rows
 
@@ -130,10 +131,10 @@ def _paged_attention_kernel(
         is_k, is_v = ((f_j == G) & keep)[:, None], ((f_j == G + 1) & keep)[:, None]
         cdtype = k_ptr.dtype.element_ty
         cols = at + half[None, :] + 0 * f_j[:, None]  # one row per tile row, masked to k / v
-        tl.store(k_ptr + cols, o1.to(cdtype), mask=is_k)
-        tl.store(k_ptr + cols + D // 2, o2.to(cdtype), mask=is_k)
-        tl.store(v_ptr + cols, x1.to(cdtype), mask=is_v)
-        tl.store(v_ptr + cols + D // 2, x2.to(cdtype), mask=is_v)
+        tl.store(k_ptr + cols, to_cache(o1, cdtype), mask=is_k)
+        tl.store(k_ptr + cols + D // 2, to_cache(o2, cdtype), mask=is_k)
+        tl.store(v_ptr + cols, to_cache(x1, cdtype), mask=is_v)
+        tl.store(v_ptr + cols + D // 2, to_cache(x2, cdtype), mask=is_v)
         tl.debug_barrier()
 
     rows = tl.arange(0, BLOCK_M * G)
@@ -157,14 +158,15 @@ def _paged_attention_kernel(
         n_ok = n < kv_end
         page = tl.load(bt_ptr + seq * stride_bt + n // PAGE, mask=n_ok, other=0)
         offs = page.to(tl.int64) * stride_kb + (n % PAGE) * stride_ks + kv_head * stride_kh
-        k = _load_k(k_ptr, offs, d, n_ok, K_ROWS)
+        k = _load_k(k_ptr, offs, d, n_ok, K_ROWS).to(q.dtype)  # a float8 cache: widened
         s = tl.dot(q, k) * qk_scale
         s = tl.where((n[None, :] <= q_pos[:, None]) & n_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + offs[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)  # [N, D]
+        v = tl.load(v_ptr + offs[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
+        v = v.to(q.dtype)  # [N, D]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 

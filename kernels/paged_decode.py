@@ -75,13 +75,14 @@ def _decode_split_kernel(
         n_ok = n < hi
         page = tl.load(bt_ptr + seq * stride_bt + n // PAGE, mask=n_ok, other=0)
         offs = page.to(tl.int64) * stride_kb + (n % PAGE) * stride_ks + kv_head * stride_kh
-        k = _load_k(k_ptr, offs, d, n_ok, K_ROWS)
+        k = _load_k(k_ptr, offs, d, n_ok, K_ROWS).to(q.dtype)  # a float8 cache: widened
         s = tl.where(n_ok[None, :], tl.dot(q, k) * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + offs[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
+        v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     # partials: [num_seqs, Hq, SPLITS, D] (unnormalised) and [num_seqs, Hq, SPLITS, 2] (m, l)

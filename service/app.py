@@ -99,6 +99,7 @@ class Services:
             max_num_batched_tokens=max(512, self.settings.max_num_seqs),
             cuda_graphs=self.settings.cuda_graphs,
             attention_backend=self.settings.attention_backend,
+            kv_cache_dtype=self.settings.kv_cache_dtype,
             row_events=False,  # sessions stream audio chunks and finishes only
         )
 

@@ -12,6 +12,8 @@ variables (all named CLONECAST_*).
 | CLONECAST_ALLOWED_ORIGINS | comma-separated browser origins; unset: any |
 | CLONECAST_MAX_CONNECTIONS, CLONECAST_MAX_NUM_SEQS | capacity |
 | CLONECAST_EAGER | 1: no CUDA graphs (debugging, comparison) |
+| CLONECAST_KV_CACHE_DTYPE | auto (the model's dtype) or fp8: a float8 KV cache, twice the |
+|  | blocks and half the attention reads, lossy (EngineConfig.kv_cache_dtype) |
 | CLONECAST_GIL_SWITCH_MS | thread switch interval once ready, ms (0.5; Python's own: 5) |
 | CLONECAST_ENGINE_PROCESS | 1 (default): the engine in its own process; 0: a server thread |
 | CLONECAST_PROFILE | `SKIP,STEPS,FILE[,MODE[,MIN_RUNNING]]`: the engine process profiles |
@@ -70,6 +72,7 @@ class ServiceSettings:
     max_num_seqs: int = 64
     cuda_graphs: bool = True
     attention_backend: str = "auto"  # EngineConfig.attention_backend (auto: Triton on CUDA)
+    kv_cache_dtype: str = "auto"  # EngineConfig.kv_cache_dtype (fp8: float8 e4m3, lossy)
     gil_switch_ms: float = 0.5
     # The engine in a process of its own (service/engine_process.py): the server's event
     # loop then never holds the interpreter lock the engine's step needs (on the H200 a
@@ -97,6 +100,7 @@ class ServiceSettings:
             max_num_seqs=int(env.get("CLONECAST_MAX_NUM_SEQS", 64)),
             cuda_graphs=env.get("CLONECAST_EAGER", "0") not in ("1", "true", "yes"),
             attention_backend=env.get("CLONECAST_ATTENTION_BACKEND", "auto"),
+            kv_cache_dtype=env.get("CLONECAST_KV_CACHE_DTYPE", "auto"),
             gil_switch_ms=_positive_ms(env.get("CLONECAST_GIL_SWITCH_MS", "0.5")),
             engine_process=env.get("CLONECAST_ENGINE_PROCESS", "1") not in ("0", "false", "no"),
             profile=_profile(env.get("CLONECAST_PROFILE")),

@@ -393,3 +393,11 @@ def test_pdl_setting_is_validated():
     with pytest.raises(ConfigError, match="pdl"):
         EngineConfig(device="cuda", pdl=True, fused_kernels=False)
     assert EngineConfig(device="cuda", pdl=True).pdl is True
+
+
+def test_kv_cache_dtype_is_validated():
+    assert EngineConfig(kv_cache_dtype="fp8").kv_cache_dtype == "fp8"
+    with pytest.raises(ConfigError, match="auto or fp8"):
+        EngineConfig(kv_cache_dtype="fp16")
+    with pytest.raises(ConfigError, match="triton"):
+        EngineConfig(device="cuda", attention_backend="varlen", kv_cache_dtype="fp8")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -269,6 +271,33 @@ def test_pdl_gives_the_same_rows(tiny_ckpt, dtype):
             assert engine.model.pdl is (pdl is None)
             rows[pdl, graphs] = [r.rows for r in engine.generate(texts, params=params)]
     assert rows[None, True] == rows[False, True] and rows[None, False] == rows[False, False]
+
+
+@pytest.mark.cuda
+def test_fp8_kv_cache_graphs_equal_eager_and_double_the_blocks(tiny_ckpt):
+    """`kv_cache_dtype="fp8"`: float8 caches, twice the blocks in the same memory, and the
+    graphed engine samples the eager engine's rows (same kernels, same rounding)."""
+    from engine.engine import _auto_num_blocks
+
+    base = dict(device="cuda", dtype="bfloat16", max_num_seqs=8, num_kv_blocks=512)
+    texts = [f"float8 cache {i}" for i in range(6)]
+    params = [SamplingParams(seed=50 + i, max_rows=24 + 3 * i) for i in range(6)]
+    rows = {}
+    for graphs in (True, False):
+        config = EngineConfig(kv_cache_dtype="fp8", cuda_graphs=graphs, **base)
+        engine = Engine.from_pretrained(tiny_ckpt, config)
+        assert all(c.dtype == torch.float8_e4m3fn for c in engine.runner.kv_caches)
+        rows[graphs] = [r.rows for r in engine.generate(texts, params=params)]
+    assert rows[True] == rows[False] and all(len(r) > 0 for r in rows[True])
+    # sizing from free memory, for the Higgs shape (memory binds, not the per-sequence cap)
+    higgs = SimpleNamespace(
+        config=SimpleNamespace(num_layers=36, num_kv_heads=8, head_dim=128),
+        embed_tokens=SimpleNamespace(weight=torch.empty(0, dtype=torch.bfloat16)),
+    )
+    sizing = dict(device="cuda", max_num_seqs=4096, max_model_len=4096)
+    wide = _auto_num_blocks(EngineConfig(**sizing), higgs, torch.device("cuda"))
+    fp8 = EngineConfig(kv_cache_dtype="fp8", **sizing)
+    assert _auto_num_blocks(fp8, higgs, torch.device("cuda")) >= 1.9 * wide
 
 
 @pytest.mark.cuda

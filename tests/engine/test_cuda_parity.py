@@ -20,16 +20,17 @@ from tests.engine.test_parity import make_reference, run
 
 pytestmark = pytest.mark.cuda
 BF16_TOL = 3e-2
+FP8_KV_TOL = 1e-1  # bf16 model with a float8 (e4m3, unscaled) KV cache
 
 
-def _scenarios(engine_factory, reference, ref_len):
+def _scenarios(engine_factory, reference, ref_len, tol=BF16_TOL):
     """Single prefill + decode, split prefill, mixed batch and a prefix-cache hit, on one engine
     per scenario; returns the worst (hidden, logits) relative errors."""
     worst = []
     e = engine_factory(max_num_batched_tokens=512)
     rec = HiddenRecorder(e)
     prompts, rows = run(e, [("a", "A single request.", None, SamplingParams(seed=1, max_rows=6))])
-    worst.append(check_all_chunks(e, rec, reference, prompts, rows, BF16_TOL)[:2])
+    worst.append(check_all_chunks(e, rec, reference, prompts, rows, tol)[:2])
 
     e = engine_factory(max_num_batched_tokens=64)
     rec = HiddenRecorder(e)
@@ -45,11 +46,11 @@ def _scenarios(engine_factory, reference, ref_len):
     rows.update(r2)
     assert e.stats.num_prefix_cached_tokens > 0
     assert any(len(c) > 1 and any(n > 1 for _, _, n in c) for c, _ in rec.steps)
-    worst.append(check_all_chunks(e, rec, reference, prompts, rows, BF16_TOL)[:2])
+    worst.append(check_all_chunks(e, rec, reference, prompts, rows, tol)[:2])
     return max(w[0] for w in worst), max(w[1] for w in worst)
 
 
-def _factory(ckpt, num_kv_blocks):
+def _factory(ckpt, num_kv_blocks, **fixed):
     def make(**kw):
         # Eager (graph replays do not run the forward hook the recorder uses); every replay
         # is checked against its eager twin in test_cuda_graphs.py.
@@ -61,6 +62,7 @@ def _factory(ckpt, num_kv_blocks):
             num_kv_blocks=num_kv_blocks,
             max_model_len=4096,
             cuda_graphs=False,
+            **fixed,
             **kw,
         )
         return Engine.from_pretrained(ckpt, cfg)
@@ -85,5 +87,16 @@ def test_bf16_parity_full_size_checkpoint(full_ckpt):
     reference = ReferenceModel(full_ckpt, dtype=torch.float32, device="cuda")
     h, logits = _scenarios(_factory(full_ckpt, 1024), reference, ref_len=120)
     print(f"full-size bf16 vs fp32: worst hidden rel err {h:.2e}, logits {logits:.2e}")
+    del reference
+    torch.cuda.empty_cache()
+
+
+def test_fp8_kv_cache_parity_full_size_checkpoint(full_ckpt):
+    """The bf16 model with a float8 KV cache (`kv_cache_dtype="fp8"`) against the fp32
+    reference, same scenarios: the error the cache's rounding adds, measured and bounded."""
+    reference = ReferenceModel(full_ckpt, dtype=torch.float32, device="cuda")
+    factory = _factory(full_ckpt, 1024, kv_cache_dtype="fp8")
+    h, logits = _scenarios(factory, reference, ref_len=120, tol=FP8_KV_TOL)
+    print(f"full-size bf16 + fp8 KV vs fp32: worst hidden rel err {h:.2e}, logits {logits:.2e}")
     del reference
     torch.cuda.empty_cache()

@@ -140,3 +140,33 @@ def test_fused_decode_refuses_mismatched_inputs():
     with pytest.raises(ValueError, match="same strides"):  # V laid out unlike K
         v_head_major = cache[1].permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
         paged_decode_attention_fused(qkv, *norm, cache[0], v_head_major, slots, *meta, 0.25)
+
+
+@pytest.mark.parametrize("shape, ctx, padding", CASES)
+def test_fused_decode_with_a_float8_cache(shape, ctx, padding):
+    """A float8 (e4m3) KV cache: the fused launch stores K/V rounded as the two launches do
+    and reads them back widened; its output equals attention over its own cache."""
+    hq, hkv, d, page = shape
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    qkv, cache, positions, slots, meta, real = _decode_batch(
+        ctx, hq, hkv, d, page, dtype, padding, 3
+    )
+    cache = cache.to(torch.float8_e4m3fn)
+    norm = (*_weights(hq, hkv, d, dtype), positions, hq, hkv, 1e-6)
+    scale = d**-0.5
+    expected_cache = cache.clone()
+    q = qk_norm_rope_store(qkv, *norm, expected_cache, slots)
+    expected = paged_attention(q, expected_cache[0], expected_cache[1], *meta, scale, 1)
+    ours_cache = cache.clone()
+    out = paged_decode_attention_fused(
+        qkv, *norm, ours_cache[0], ours_cache[1], slots, *meta, scale
+    )
+    if DEVICE == "cpu":
+        assert torch.equal(ours_cache.view(torch.uint8), expected_cache.view(torch.uint8))
+        assert torch.equal(out[:real], expected[:real])
+    else:  # RMSNorm sums in another order: at most one float8 step apart, rarely
+        torch.testing.assert_close(ours_cache.float(), expected_cache.float(), rtol=0.13, atol=2e-3)
+    ref = paged_attention_reference(q, ours_cache[0], ours_cache[1], *meta, scale)
+    err = float((out[:real].float() - ref[:real].float()).norm() / ref[:real].float().norm())
+    assert err <= (1e-5 if dtype == torch.float32 else 2e-2)
+    assert not torch.equal(ours_cache[:, 1:].view(torch.uint8), cache[:, 1:].view(torch.uint8))

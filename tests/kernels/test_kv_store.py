@@ -55,3 +55,26 @@ def test_higgs_shape_bf16(layout):
     store_kv_fused(k, v, ours, slots)
     store_kv(k, v, ref, slots)
     assert torch.equal(ours[:, 1:], ref[:, 1:]) and torch.equal(ours[:, 0], cache[:, 0])
+
+
+@pytest.mark.parametrize("layout", ["nhd", "hnd"])
+def test_a_float8_cache_gets_the_references_bytes_and_saturates(layout):
+    """Into a float8 (e4m3) cache: the same bytes as the torch reference (which also writes
+    padding rows), values beyond +-448 saturate (torch's own cast would give NaN), padding
+    rows untouched."""
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    k, v, cache, slots = _case(9, 2, 16, 6, 4, dtype, 11, 2)
+    # values float8 holds exactly (Triton's CPU interpreter rounds some others wrongly: 7.9
+    # -> 4, 127 -> 64; the GPU's conversion rounds to nearest even), a few beyond its range
+    k = (k * 100).clamp(-448, 448).to(torch.float8_e4m3fn).to(dtype)
+    v = v.to(torch.float8_e4m3fn).to(dtype)
+    k[0, 0, :4] = torch.tensor([1000.0, -1000.0, 449.0, 5e4])
+    cache = cache.to(torch.float8_e4m3fn)
+    ours = cache.clone() if layout == "nhd" else _head_major(cache)
+    ref = cache.clone()
+    store_kv_fused(k, v, ours, slots)
+    store_kv(k, v, ref, slots)
+    assert torch.equal(ours[:, 1:].view(torch.uint8), ref[:, 1:].view(torch.uint8))
+    stored = ours[:, 1:].float()
+    assert torch.isfinite(stored).all() and stored.abs().max() == 448
+    assert torch.equal(ours[:, 0].view(torch.uint8), cache[:, 0].view(torch.uint8))

@@ -76,6 +76,23 @@ def test_kernel_reads_a_head_major_cache(q_lens, ctx_lens):
     assert torch.equal(out, ref)
 
 
+@pytest.mark.parametrize("q_lens, ctx_lens", CPU_CASES[:3])
+def test_kernels_read_a_float8_cache(q_lens, ctx_lens):
+    """A float8 (e4m3) KV cache: both kernels widen what they read, so their output equals
+    the reference's attention over the same (rounded) values."""
+    from kernels.paged_decode import paged_decode_attention
+
+    device = "cuda" if GPU else "cpu"
+    dtype = torch.bfloat16 if GPU else torch.float32
+    q, k, v, meta = make_batch(q_lens, ctx_lens, 8, 2, 32, 16, dtype, device)
+    k, v = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
+    ref = paged_attention_reference(q, k, v, *meta, 32**-0.5)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert rel_err(paged_attention(q, k, v, *meta, 32**-0.5, max(q_lens)), ref) <= tol
+    if max(q_lens) == 1:
+        assert rel_err(paged_decode_attention(q, k, v, *meta, 32**-0.5, 4), ref) <= tol
+
+
 def test_a_too_small_launch_bound_leaves_long_queries_uncomputed():
     """The capture-bound hazard in miniature: a launch sized for short queries skips the
     later query blocks of a long one."""

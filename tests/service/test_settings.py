@@ -37,3 +37,22 @@ def test_attention_backend_is_passed_to_the_engine(monkeypatch):
     assert settings.attention_backend == "flash"
     with pytest.raises(ConfigError, match="needs CUDA"):
         EngineConfig(device="cpu", attention_backend=settings.attention_backend)
+
+
+def test_kv_cache_dtype_is_passed_to_the_engine(monkeypatch):
+    """CLONECAST_KV_CACHE_DTYPE=fp8 reaches the engine's config; a bad value is the engine's
+    configuration error at start, naming the choices."""
+    from engine import ConfigError
+    from service.app import Services
+
+    monkeypatch.delenv("CLONECAST_KV_CACHE_DTYPE", raising=False)
+    assert ServiceSettings.from_env().kv_cache_dtype == "auto"
+    monkeypatch.setenv("CLONECAST_KV_CACHE_DTYPE", "fp8")
+    settings = ServiceSettings.from_env(device="cpu")
+    assert (
+        Services._engine_config(type("App", (), {"settings": settings})()).kv_cache_dtype == "fp8"
+    )
+    monkeypatch.setenv("CLONECAST_KV_CACHE_DTYPE", "int4")
+    bad = ServiceSettings.from_env(device="cpu")
+    with pytest.raises(ConfigError, match="auto or fp8"):
+        Services._engine_config(type("App", (), {"settings": bad})())
