@@ -111,14 +111,15 @@ class ModelRunner:
         self.config = config
         cfg = model.config
         self.device = model.embed_tokens.weight.device
-        dtype = kv_cache_dtype(config, model.embed_tokens.weight.dtype)
+        dtype = model.embed_tokens.weight.dtype
+        cache_dtype = kv_cache_dtype(config, dtype)
         # Every layer's cache as backends see it: [2, blocks, page, Hkv, D]; "hnd" allocates
         # [2, blocks, Hkv, page, D] (one head's page contiguous) and hands out the permuted view.
         hnd = config.kv_cache_layout == "hnd"
         shape = (2, num_kv_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim)
         alloc = (shape[0], shape[1], shape[3], shape[2], shape[4]) if hnd else shape
         self.kv_caches = [
-            torch.zeros(alloc, dtype=dtype, device=self.device) for _ in range(cfg.num_layers)
+            torch.zeros(alloc, dtype=cache_dtype, device=self.device) for _ in range(cfg.num_layers)
         ]
         if hnd:
             self.kv_caches = [c.permute(0, 1, 3, 2, 4) for c in self.kv_caches]

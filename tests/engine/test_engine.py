@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine import ConfigError, Engine, EngineConfig, SamplingParams, VoiceReference
 from engine.config import EOC
@@ -176,3 +177,19 @@ def test_head_major_kv_cache_gives_the_same_rows(tiny_ckpt, backend, n):
         )
         rows[layout] = [r.rows for r in results]
     assert rows["hnd"] == rows["nhd"]
+
+
+@pytest.mark.parametrize("layout", ["nhd", "hnd"])
+def test_a_float8_kv_cache_serves_requests_end_to_end(tiny_ckpt, layout):
+    """`kv_cache_dtype="fp8"` on the CPU (torch reference attention): float8 caches, the
+    activations stay in the model's dtype, and every request runs to its row cap; the
+    Triton kernels' float8 path runs in the CUDA tests."""
+    config = EngineConfig(
+        block_size=4, max_num_seqs=4, kv_cache_dtype="fp8", kv_cache_layout=layout
+    )
+    engine = Engine.from_pretrained(tiny_ckpt, config)
+    assert all(c.dtype == torch.float8_e4m3fn for c in engine.runner.kv_caches)
+    params = [SamplingParams(seed=i, max_rows=12 + i) for i in range(3)]
+    results = engine.generate([f"float8 {i}" for i in range(3)], params=params)
+    assert [len(r.rows) for r in results] == [12, 13, 14]
+    assert engine.runner.kv_caches[0][:, 1:].float().abs().sum() > 0
