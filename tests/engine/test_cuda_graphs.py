@@ -294,7 +294,7 @@ def test_fp8_kv_cache_graphs_equal_eager_and_double_the_blocks(tiny_ckpt):
         config=SimpleNamespace(num_layers=36, num_kv_heads=8, head_dim=128),
         embed_tokens=SimpleNamespace(weight=torch.empty(0, dtype=torch.bfloat16)),
     )
-    sizing = dict(device="cuda", max_num_seqs=4096, max_model_len=4096)
+    sizing = dict(device="cuda", max_num_seqs=4096, max_num_batched_tokens=4096, max_model_len=4096)
     wide = _auto_num_blocks(EngineConfig(**sizing), higgs, torch.device("cuda"))
     fp8 = EngineConfig(kv_cache_dtype="fp8", **sizing)
     assert _auto_num_blocks(fp8, higgs, torch.device("cuda")) >= 1.9 * wide
