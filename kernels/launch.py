@@ -4,9 +4,11 @@ before it touches anything that kernel wrote. The launch gaps and tails of a dec
 ~360 kernels overlap instead of adding up.
 
 Which launches use it is decided by the caller around the forward pass (`use_pdl`), so the
-kernels stay plain functions of tensors. Every kernel that honours it waits before its first
-read or write of activations (only constant weights may be read before the wait) and lets its
-dependent launch once all its programs have started.
+kernels stay plain functions of tensors. Every kernel that honours it waits first thing, before
+any read or write (`pdl_enter`, also before an early return: a kernel whose programs all left
+without waiting could complete before its predecessor, and its successor's wait would then not
+cover that predecessor), and lets its own successor launch once all its programs have started.
+Torch's kernels and cuBLAS launch without it: they start after the previous kernel completes.
 """
 
 from __future__ import annotations
@@ -28,10 +30,6 @@ def use_pdl(enabled: bool):
         yield
     finally:
         _PDL.reset(token)
-
-
-def pdl_enabled() -> bool:
-    return _PDL.get()
 
 
 def pdl_launch() -> dict:
@@ -56,6 +54,3 @@ def pdl_enter(PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-
-
-__all__ = ["pdl_enabled", "pdl_enter", "pdl_launch", "pdl_supported", "use_pdl"]
