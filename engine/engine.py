@@ -87,6 +87,15 @@ class Engine:
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.blocks)
         self.runner = ModelRunner(self.model, config, num_blocks)
+        caches = self.runner.kv_caches
+        log.info(
+            "KV cache: %d blocks of %d positions (%d tokens), %.2f GiB of %s",
+            num_blocks,
+            config.block_size,
+            num_blocks * config.block_size,
+            sum(c.numel() * c.element_size() for c in caches) / 2**30,
+            caches[0].dtype,
+        )
         self.codec = _load_codec(codec or checkpoint, config, device, codec is not None)
         self.capture_reports = []
         if config.cuda_graphs and device.type == "cuda":
