@@ -25,6 +25,7 @@ CASES = {  # name: (query lengths, context lengths, launch bound; 0 = the longes
     "decode 64 x 400": ([1] * 64, [399] * 64, 0),
     "decode 32 x 400": ([1] * 32, [399] * 32, 0),
     "decode 1 x 2000": ([1], [1999], 0),
+    "decode 1 x 400": ([1], [399], 0),  # one stream at a typical context (C = 1)
     "decode 256 x 400": ([1] * 256, [399] * 256, 0),
     "prefill 212 + 44": ([212] + [1] * 44, [0] + [300] * 44, 0),
     # a served mixed step: 64 decode rows and one new request's text, in the 128-token graph
@@ -69,7 +70,7 @@ def _configs(decode: bool, num_seqs: int, grid_order: bool):
             )
         )
     if decode:
-        splits = ((2, 4) if grid_order else (2, 4, 8)) if num_seqs >= 16 else (16, 32)
+        splits = ((2, 4) if grid_order else (2, 4, 8)) if num_seqs >= 16 else (4, 8, 16, 32)
         warp_counts = (4,) if grid_order else (4, 8)
         for sp, bn, warps, stages, k_rows, hf in itertools.product(
             splits, (32, 64), warp_counts, (2, 3), (0, 1), orders
