@@ -176,6 +176,11 @@ class EngineConfig:
     # faster a step at batch 64). None: on wherever it applies; True: required (a
     # configuration error where it cannot apply); False: two launches.
     fused_decode_attention: bool | None = None
+    # With fused decode attention: decode steps of few sequences (split-KV) also run as one
+    # launch per layer (q/k-norm + RoPE, K/V store, the splits and their combine by the last
+    # program to finish). Written after the device time ran out: CPU-tested under the Triton
+    # interpreter, not yet run on a GPU, so off until it has been (docs/PERFORMANCE.md).
+    fused_split_decode: bool = False
     # Triton launches of the forward use programmatic dependent launch (kernels/launch.py):
     # each may start while the previous kernel finishes. None: on with fused kernels on a GPU
     # of compute capability 9.0 or later; True: required (an error where it cannot apply).
@@ -246,6 +251,15 @@ class EngineConfig:
             )
         if self.pdl is True and (self.device == "cpu" or not self.fused_kernels):
             raise ConfigError("pdl needs fused_kernels on a CUDA device (compute capability 9+)")
+        if self.fused_split_decode and (
+            self.fused_decode_attention is False
+            or not self.fused_kernels
+            or self.attention_backend in ("torch", "varlen", "flash")
+        ):
+            raise ConfigError(
+                "fused_split_decode needs fused decode attention (fused_kernels, the Triton "
+                "backend, fused_decode_attention not False)"
+            )
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ConfigError(f"kv_cache_dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
         if self.kv_cache_dtype == "fp8" and self.attention_backend in ("varlen", "flash"):

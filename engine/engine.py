@@ -76,6 +76,7 @@ class Engine:
         fused = device.type == "cuda" and config.fused_kernels
         attention = make_backend(backend)
         attention.fuse_decode = config.fused_decode_attention is not False  # where it applies
+        attention.fuse_split = config.fused_split_decode
         self.model, self.codec_keys = load_model(checkpoint, attention, device, dtype, fused)
         self.model.pdl = _resolve_pdl(config.pdl, fused, device)
         if config.max_model_len > self.model.config.max_position_embeddings:

@@ -301,6 +301,27 @@ def test_fp8_kv_cache_graphs_equal_eager_and_double_the_blocks(tiny_ckpt):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_split_decode_gives_the_same_rows(tiny_ckpt, dtype):
+    """`fused_split_decode`: decode steps of few sequences run the split-KV attention as one
+    launch (with the q/k-norm + RoPE, the K/V store and the last-program combine), in graphs
+    and eagerly; the seeded rows equal the three-launch path's, and replays stay equal (the
+    counters return to zero)."""
+    base = dict(device="cuda", dtype=dtype, max_num_seqs=8, num_kv_blocks=512)
+    texts = [f"fused split {i}" for i in range(6)]
+    params = [SamplingParams(seed=30 + i, max_rows=26 + 3 * i) for i in range(6)]
+    rows = {}
+    for fused in (False, True):
+        for graphs in (True, False):
+            config = EngineConfig(fused_split_decode=fused, cuda_graphs=graphs, **base)
+            engine = Engine.from_pretrained(tiny_ckpt, config)
+            rows[fused, graphs] = [r.rows for r in engine.generate(texts, params=params)]
+            counters = engine.model.layers[0].self_attn.backend._counters
+            assert (counters is not None and not counters.any()) if fused else counters is None
+    assert rows[True, True] == rows[False, True] and rows[True, False] == rows[False, False]
+
+
+@pytest.mark.cuda
 def test_a_warmed_decode_step_makes_no_implicit_host_sync(tiny_ckpt):
     """Inside `step()` the only wait is the designated, explicit one for the sampled rows;
     no tensor operation may synchronise implicitly (`.item()`, pageable copies, nonzero...)."""

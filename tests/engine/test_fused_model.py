@@ -2,7 +2,8 @@
 add+RMSNorm, SiLU-mul) against the plain torch ops, on the CPU under the Triton interpreter:
 a mixed batch (a prefill over two blocks, a short prefill, padding rows pointing into the
 reserved block 0) then a decode step, torch and Triton attention backends, and the decode
-step as one fused launch (`fused_decode_attention`). On a GPU the same path is covered by
+step as one fused launch (`fused_decode_attention`; with its context split 32 ways,
+`fused_split_decode`). On a GPU the same path is covered by
 the CUDA parity and graph tests."""
 
 from __future__ import annotations
@@ -29,11 +30,20 @@ CFG = ModelConfig(
 PAGE, BLOCKS = 4, 8
 
 
-def _run(fused: bool, backend: str, layout: str = "nhd", fuse_decode: bool = False, kv_dtype=None):
+def _run(
+    fused: bool,
+    backend: str,
+    layout: str = "nhd",
+    fuse_decode: bool = False,
+    kv_dtype=None,
+    fuse_split: bool = False,
+):
     torch.manual_seed(0)
     attention = make_backend(backend)
     if fuse_decode:  # one launch for decode steps, even for these few sequences (no split)
         attention.fuse_decode, attention.split_target = True, 1
+    if fuse_split:  # one launch for decode steps with the context split (32 ways here)
+        attention.fuse_decode, attention.fuse_split = True, True
     model = HiggsModel(CFG, attention, fused)
     for p in model.parameters():
         torch.nn.init.normal_(p, std=0.2)
@@ -80,9 +90,15 @@ def _run(fused: bool, backend: str, layout: str = "nhd", fuse_decode: bool = Fal
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 @pytest.mark.parametrize("layout", ["nhd", "hnd"])
 @pytest.mark.parametrize(
-    "backend, fuse_decode", [("torch", False), ("triton", False), ("triton", True)]
+    "backend, fuse_decode, fuse_split",
+    [
+        ("torch", False, False),
+        ("triton", False, False),
+        ("triton", True, False),
+        ("triton", False, True),
+    ],
 )
-def test_fused_ops_equal_torch_ops(backend, layout, fuse_decode, monkeypatch):
+def test_fused_ops_equal_torch_ops(backend, layout, fuse_decode, fuse_split, monkeypatch):
     from engine.attention import TritonAttention
 
     ref_hidden, ref_caches = _run(False, "torch")
@@ -91,8 +107,9 @@ def test_fused_ops_equal_torch_ops(backend, layout, fuse_decode, monkeypatch):
     monkeypatch.setattr(
         TritonAttention, "decode_fused", lambda self, *a: calls.append(1) or original(self, *a)
     )
-    hidden, caches = _run(True, backend, layout, fuse_decode)
-    assert len(calls) == (CFG.num_layers if fuse_decode else 0)  # the decode step, every layer
+    hidden, caches = _run(True, backend, layout, fuse_decode, fuse_split=fuse_split)
+    fused_step = fuse_decode or fuse_split
+    assert len(calls) == (CFG.num_layers if fused_step else 0)  # the decode step, every layer
     torch.testing.assert_close(hidden, ref_hidden, rtol=1e-5, atol=1e-5)
     for cache, ref in zip(caches, ref_caches, strict=True):
         torch.testing.assert_close(cache[:, 1:], ref[:, 1:], rtol=1e-5, atol=1e-5)
