@@ -148,7 +148,7 @@ def _paged_attention_kernel(
         decode_prologue(
             qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, eps, q_ptr, k_ptr,
             v_ptr, q_start, kv_head, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
-            True, G, HQ, HKV, D, PAGE, FUSED_ROWS,
+            q_len > 0, G, HQ, HKV, D, PAGE, FUSED_ROWS,
         )  # fmt: skip
 
     rows = tl.arange(0, BLOCK_M * G)
