@@ -51,7 +51,9 @@ def decode_prologue(
     """A decode program's share of the q/k-norm + RoPE kernel (norm_rope.py) for the token at
     `q_start`: its G query heads to q_ptr and, where `store_kv`, its KV head's k and v into
     the cache at the token's slot (padding slots skipped), then a barrier so that the whole
-    program reads those stores back."""
+    program reads those stores back. Used by the fused split-KV kernel (paged_decode.py); the
+    one-pass kernel below still has the same lines inline, GPU-verified, until this helper
+    has run on a GPU too."""
     f_j = tl.arange(0, FUSED_ROWS)
     f_head = tl.where(f_j < G, kv_head * G + f_j, tl.where(f_j == G, HQ, HQ + HKV) + kv_head)
     f_row = qkv_ptr + q_start.to(tl.int64) * (HQ + 2 * HKV) * D + f_head[:, None] * D
@@ -145,11 +147,41 @@ def _paged_attention_kernel(
     first_pos = seq_len - q_len
     if FUSED:
         tl.device_assert(q_len <= 1, "the fused decode launch takes one query token a sequence")
-        decode_prologue(
-            qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, eps, q_ptr, k_ptr,
-            v_ptr, q_start, kv_head, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
-            q_len > 0, G, HQ, HKV, D, PAGE, FUSED_ROWS,
-        )  # fmt: skip
+        # Decode rows only (q_len 1): this program's share of the q/k-norm + RoPE kernel
+        # (norm_rope.py), for its G query heads and its KV head, from the fused qkv row; q to
+        # q_ptr, k and v into the cache at the token's slot. The barrier makes those stores
+        # visible to the whole program before it reads them back below.
+        f_j = tl.arange(0, FUSED_ROWS)
+        f_head = tl.where(f_j < G, kv_head * G + f_j, tl.where(f_j == G, HQ, HQ + HKV) + kv_head)
+        f_row = qkv_ptr + q_start.to(tl.int64) * (HQ + 2 * HKV) * D + f_head[:, None] * D
+        o1, o2, x1, x2 = norm_rope_rows(
+            f_row,
+            f_j < G,
+            (f_j < G + 2)[:, None],
+            qw_ptr,
+            kw_ptr,
+            cos_ptr,
+            sin_ptr,
+            tl.load(pos_ptr + q_start),
+            eps,
+            D,
+            q_ptr.dtype.element_ty,
+        )
+        half = tl.arange(0, D // 2)
+        f_q = q_ptr + q_start * stride_qt + f_head[:, None] * stride_qh + half[None, :]
+        tl.store(f_q, o1, mask=(f_j < G)[:, None])
+        tl.store(f_q + D // 2, o2, mask=(f_j < G)[:, None])
+        slot = tl.load(slot_ptr + q_start).to(tl.int64)
+        keep = slot >= PAGE  # slots in the reserved block 0 are padding rows
+        at = (slot // PAGE) * stride_kb + (slot % PAGE) * stride_ks + kv_head * stride_kh
+        is_k, is_v = ((f_j == G) & keep)[:, None], ((f_j == G + 1) & keep)[:, None]
+        cdtype = k_ptr.dtype.element_ty
+        cols = at + half[None, :] + 0 * f_j[:, None]  # one row per tile row, masked to k / v
+        tl.store(k_ptr + cols, to_cache(o1, cdtype), mask=is_k)
+        tl.store(k_ptr + cols + D // 2, to_cache(o2, cdtype), mask=is_k)
+        tl.store(v_ptr + cols, to_cache(x1, cdtype), mask=is_v)
+        tl.store(v_ptr + cols + D // 2, to_cache(x2, cdtype), mask=is_v)
+        tl.debug_barrier()
 
     rows = tl.arange(0, BLOCK_M * G)
     token = mblock * BLOCK_M + rows // G  # query token within the sequence
