@@ -163,6 +163,7 @@ def serve(args: argparse.Namespace) -> int:
         port=args.port,
         max_num_seqs=args.max_num_seqs,
         cuda_graphs=False if args.eager else None,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     app = create_app(settings)
     print(
@@ -187,6 +188,11 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--port", type=int, help="port (default 8737)")
     v.add_argument("--max-num-seqs", type=int, help="requests decoded together (default 64)")
     v.add_argument("--eager", action="store_true", help="no CUDA graphs (debugging, comparison)")
+    v.add_argument(
+        "--kv-cache-dtype",
+        choices=("auto", "fp8"),
+        help="KV cache element type (default auto: the model's; fp8: twice the blocks, lossy)",
+    )
     v.add_argument("--log-level", default="info")
     v.set_defaults(func=serve)
     s = sub.add_parser("synthesize", help="speak a text into a WAV file, streaming")

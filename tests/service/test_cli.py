@@ -64,3 +64,26 @@ def test_synthesize_writes_a_wav_of_the_streamed_audio(tmp_path):
     (tmp_path / "bad.wav").write_bytes(b"not audio at all")
     r = _run(["synthesize", "--text", "x", "--reference", str(tmp_path / "bad.wav")], tmp_path)
     assert r.returncode == 2 and "could not be decoded" in r.stderr
+
+
+def test_serve_passes_the_kv_cache_dtype_and_refuses_unknown_ones(monkeypatch, capsys):
+    """`clonecast serve --kv-cache-dtype fp8` reaches the service settings (the engine's
+    config); an unknown value is refused by the parser, naming the choices."""
+    import pytest
+    import uvicorn
+
+    import service.app
+    from service import cli
+
+    seen = {}
+    monkeypatch.setattr(service.app, "create_app", lambda settings: seen.setdefault("s", settings))
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: None)
+    monkeypatch.delenv("CLONECAST_KV_CACHE_DTYPE", raising=False)
+    assert cli.main(["serve", "--device", "cpu", "--kv-cache-dtype", "fp8"]) == 0
+    assert seen["s"].kv_cache_dtype == "fp8"
+    seen.clear()
+    assert cli.main(["serve", "--device", "cpu"]) == 0
+    assert seen["s"].kv_cache_dtype == "auto"
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--kv-cache-dtype", "int8"])
+    assert "invalid choice" in capsys.readouterr().err
