@@ -30,7 +30,7 @@ from engine.cuda_graphs import CudaGraphs, SamplerGraphs
 from engine.loader import load_model, resolve_checkpoint
 from engine.prompt import AudioRow, TextChecker, build_prompt
 from engine.request import FinishReason, Request
-from engine.runner import ModelRunner, PendingStep, kv_cache_dtype
+from engine.runner import ModelRunner, PendingStep, auto_num_kv_blocks
 from engine.scheduler import Scheduler
 from engine.stats import EngineStats, StepCounters
 from engine.tokenizer import HiggsTokenizer
@@ -84,19 +84,10 @@ class Engine:
                 f"max_model_len {config.max_model_len} exceeds the model's "
                 f"max_position_embeddings {self.model.config.max_position_embeddings}"
             )
-        num_blocks = config.num_kv_blocks or _auto_num_blocks(config, self.model, device)
+        num_blocks = config.num_kv_blocks or auto_num_kv_blocks(config, self.model, device)
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.blocks)
         self.runner = ModelRunner(self.model, config, num_blocks)
-        caches = self.runner.kv_caches
-        log.info(
-            "KV cache: %d blocks of %d positions (%d tokens), %.2f GiB of %s",
-            num_blocks,
-            config.block_size,
-            num_blocks * config.block_size,
-            sum(c.numel() * c.element_size() for c in caches) / 2**30,
-            caches[0].dtype,
-        )
         self.codec = _load_codec(codec or checkpoint, config, device, codec is not None)
         self.capture_reports = []
         if config.cuda_graphs and device.type == "cuda":
@@ -488,18 +479,3 @@ def _resolve_pdl(setting: bool | None, fused: bool, device: torch.device) -> boo
     if setting is True and not supported:
         raise ConfigError("pdl=True needs fused kernels on a GPU of compute capability 9.0+")
     return supported if setting is None else bool(setting)
-
-
-def _auto_num_blocks(config: EngineConfig, model, device: torch.device) -> int:
-    """On CUDA, a fraction of free memory, but never more than every sequence at full length
-    four times over (room for the prefix cache): a small model must not get millions of
-    blocks. On the CPU, every sequence at full length once."""
-    cfg = model.config
-    elem = kv_cache_dtype(config, model.embed_tokens.weight.dtype).itemsize
-    block_bytes = cfg.num_layers * 2 * config.block_size * cfg.num_kv_heads * cfg.head_dim * elem
-    full = config.max_num_seqs * config.max_blocks_per_seq
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        fits = int(free * config.kv_cache_memory_fraction) // block_bytes
-        return max(2, min(fits, 4 * full + 1))
-    return 1 + full

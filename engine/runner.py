@@ -15,6 +15,7 @@ bucket) never touches a live request's state.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,6 +29,8 @@ from engine.model import HiggsModel
 from engine.request import Request
 from engine.sampler import Sampler
 from engine.scheduler import SchedulerOutput
+
+log = logging.getLogger("clonecast.engine")
 
 
 @dataclass
@@ -62,6 +65,21 @@ class PendingStep:
 def kv_cache_dtype(config: EngineConfig, model_dtype: torch.dtype) -> torch.dtype:
     """The KV cache's element type (EngineConfig.kv_cache_dtype)."""
     return torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else model_dtype
+
+
+def auto_num_kv_blocks(config: EngineConfig, model, device: torch.device) -> int:
+    """On CUDA, a fraction of free memory, but never more than every sequence at full length
+    four times over (room for the prefix cache): a small model must not get millions of
+    blocks. On the CPU, every sequence at full length once."""
+    cfg = model.config
+    elem = kv_cache_dtype(config, model.embed_tokens.weight.dtype).itemsize
+    block_bytes = cfg.num_layers * 2 * config.block_size * cfg.num_kv_heads * cfg.head_dim * elem
+    full = config.max_num_seqs * config.max_blocks_per_seq
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        fits = int(free * config.kv_cache_memory_fraction) // block_bytes
+        return max(2, min(fits, 4 * full + 1))
+    return 1 + full
 
 
 def sample_buckets(max_rows: int) -> tuple[int, ...]:
@@ -123,6 +141,14 @@ class ModelRunner:
         ]
         if hnd:
             self.kv_caches = [c.permute(0, 1, 3, 2, 4) for c in self.kv_caches]
+        log.info(
+            "KV cache: %d blocks of %d positions (%d tokens), %.2f GiB of %s",
+            num_kv_blocks,
+            config.block_size,
+            num_kv_blocks * config.block_size,
+            sum(c.numel() * c.element_size() for c in self.kv_caches) / 2**30,
+            cache_dtype,
+        )
         self.max_blocks = config.max_blocks_per_seq
         self.layout = _Layout(config.max_num_batched_tokens, config.max_num_seqs, self.max_blocks)
         cuda = self.device.type == "cuda"

@@ -233,6 +233,17 @@ def _check_same_strides(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         )
 
 
+def check_decode_inputs(qkv, positions, slots, k_cache, num_heads, num_kv_heads, d) -> None:
+    """The shapes the fused decode launches (q/k-norm + RoPE inside attention) rely on."""
+    t = qkv.shape[0]
+    if qkv.shape[1] != (num_heads + 2 * num_kv_heads) * d or not qkv.is_contiguous():
+        raise ValueError(f"qkv must be a contiguous [T, {(num_heads + 2 * num_kv_heads) * d}]")
+    if tuple(slots.shape) != (t,) or tuple(positions.shape) != (t,):
+        raise ValueError(f"one slot and one position per token: {t} tokens")
+    if tuple(k_cache.shape[2:]) != (num_kv_heads, d) or k_cache.stride(3) != 1:
+        raise ValueError(f"k_cache must be [blocks, page, {num_kv_heads}, {d}], D contiguous")
+
+
 def query_block_size(max_query_len: int, group: int) -> int:
     """Query tokens per program: tiles of at least 16 rows (tl.dot's minimum), 64 rows for
     prefill-sized queries."""
@@ -298,12 +309,7 @@ def paged_decode_attention_fused(
     sum may be reduced in another order, so within rounding); tokens of no sequence
     (padding) get no q and no output row. Knobs as `paged_attention`."""
     t, d = qkv.shape[0], q_weight.shape[0]
-    if qkv.shape[1] != (num_heads + 2 * num_kv_heads) * d or not qkv.is_contiguous():
-        raise ValueError(f"qkv must be a contiguous [T, {(num_heads + 2 * num_kv_heads) * d}]")
-    if tuple(slots.shape) != (t,) or tuple(positions.shape) != (t,):
-        raise ValueError(f"one slot and one position per token: {t} tokens")
-    if tuple(k_cache.shape[2:]) != (num_kv_heads, d) or k_cache.stride(3) != 1:
-        raise ValueError(f"k_cache must be [blocks, page, {num_kv_heads}, {d}], D contiguous")
+    check_decode_inputs(qkv, positions, slots, k_cache, num_heads, num_kv_heads, d)
     q = torch.empty(t, num_heads, d, dtype=qkv.dtype, device=qkv.device)
     fused = (qkv, q_weight, k_weight, cos, sin, positions, slots, eps)
     args = (q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale)

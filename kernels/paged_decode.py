@@ -13,7 +13,13 @@ import triton
 import triton.language as tl
 
 from kernels.launch import pdl_enter, pdl_launch
-from kernels.paged_attention import _LOG2E, _check_same_strides, _load_k, decode_prologue
+from kernels.paged_attention import (
+    _LOG2E,
+    _check_same_strides,
+    _load_k,
+    check_decode_inputs,
+    decode_prologue,
+)
 
 
 @triton.jit
@@ -137,6 +143,8 @@ def _decode_split_fused_kernel(
     # context, its partial sums; the last program of a (sequence, KV head) to finish, counted
     # with an atomic, combines the SPLITS partials in split order (deterministic) and resets
     # the counter for the next launch.
+    # (The split loop repeats _decode_split_kernel's, and the prologue the one-pass kernel's,
+    # so the GPU-verified kernels stay untouched until this one has run on a GPU.)
     pdl_enter(PDL)
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start = tl.load(qsl_ptr + seq)
@@ -317,12 +325,7 @@ def paged_decode_attention_fused_split(
     t, d = qkv.shape[0], q_weight.shape[0]
     page = k_cache.shape[1]
     group = num_heads // num_kv_heads
-    if qkv.shape[1] != (num_heads + 2 * num_kv_heads) * d or not qkv.is_contiguous():
-        raise ValueError(f"qkv must be a contiguous [T, {(num_heads + 2 * num_kv_heads) * d}]")
-    if tuple(slots.shape) != (t,) or tuple(positions.shape) != (t,):
-        raise ValueError(f"one slot and one position per token: {t} tokens")
-    if tuple(k_cache.shape[2:]) != (num_kv_heads, d) or k_cache.stride(3) != 1:
-        raise ValueError(f"k_cache must be [blocks, page, {num_kv_heads}, {d}], D contiguous")
+    check_decode_inputs(qkv, positions, slots, k_cache, num_heads, num_kv_heads, d)
     if counters.dtype != torch.int32 or counters.numel() < num_seqs * num_kv_heads:
         raise ValueError(f"counters must be int32 with at least {num_seqs * num_kv_heads}")
     _check_same_strides(k_cache, v_cache)

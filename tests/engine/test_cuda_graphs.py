@@ -277,7 +277,7 @@ def test_pdl_gives_the_same_rows(tiny_ckpt, dtype):
 def test_fp8_kv_cache_graphs_equal_eager_and_double_the_blocks(tiny_ckpt):
     """`kv_cache_dtype="fp8"`: float8 caches, twice the blocks in the same memory, and the
     graphed engine samples the eager engine's rows (same kernels, same rounding)."""
-    from engine.engine import _auto_num_blocks
+    from engine.runner import auto_num_kv_blocks
 
     base = dict(device="cuda", dtype="bfloat16", max_num_seqs=8, num_kv_blocks=512)
     texts = [f"float8 cache {i}" for i in range(6)]
@@ -295,9 +295,9 @@ def test_fp8_kv_cache_graphs_equal_eager_and_double_the_blocks(tiny_ckpt):
         embed_tokens=SimpleNamespace(weight=torch.empty(0, dtype=torch.bfloat16)),
     )
     sizing = dict(device="cuda", max_num_seqs=4096, max_num_batched_tokens=4096, max_model_len=4096)
-    wide = _auto_num_blocks(EngineConfig(**sizing), higgs, torch.device("cuda"))
+    wide = auto_num_kv_blocks(EngineConfig(**sizing), higgs, torch.device("cuda"))
     fp8 = EngineConfig(kv_cache_dtype="fp8", **sizing)
-    assert _auto_num_blocks(fp8, higgs, torch.device("cuda")) >= 1.9 * wide
+    assert auto_num_kv_blocks(fp8, higgs, torch.device("cuda")) >= 1.9 * wide
 
 
 @pytest.mark.cuda

@@ -193,3 +193,13 @@ def test_a_float8_kv_cache_serves_requests_end_to_end(tiny_ckpt, layout):
     results = engine.generate([f"float8 {i}" for i in range(3)], params=params)
     assert [len(r.rows) for r in results] == [12, 13, 14]
     assert engine.runner.kv_caches[0][:, 1:].float().abs().sum() > 0
+
+
+def test_pdl_resolves_off_without_a_hopper_gpu_and_refuses_to_be_forced():
+    from engine.config import ConfigError
+    from engine.engine import _resolve_pdl
+
+    cpu = torch.device("cpu")
+    assert _resolve_pdl(None, False, cpu) is False and _resolve_pdl(False, True, cpu) is False
+    with pytest.raises(ConfigError, match="compute capability 9.0"):
+        _resolve_pdl(True, True, cpu)

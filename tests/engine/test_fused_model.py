@@ -129,3 +129,14 @@ def test_a_float8_cache_is_lossy_but_close(layout):
     assert caches[0][:, 1:].float().abs().sum() > 0
     err = float((hidden - ref_hidden).norm() / ref_hidden.norm())
     assert 0 < err < 5e-2, err
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # padding rows
+def test_fused_split_decode_refuses_counters_too_few_for_the_step(monkeypatch):
+    """The counters are allocated once and never moved (graphs keep their address): a step
+    needing more than exist is an error, not a silent reallocation."""
+    from engine.attention import TritonAttention
+
+    monkeypatch.setattr(TritonAttention, "_counters", torch.zeros(1, dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="counters needed"):
+        _run(True, "triton", fuse_split=True)

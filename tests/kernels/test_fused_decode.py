@@ -206,3 +206,19 @@ def test_fused_split_decode_equals_norm_rope_store_then_split_attention(
         torch.testing.assert_close(ours_cache, expected_cache, rtol=2e-2, atol=2e-2)
         torch.testing.assert_close(out[:real], expected[:real], rtol=2e-2, atol=2e-2)
     assert torch.equal(ours_cache[:, 0], cache[:, 0])  # padding tokens store nothing
+
+
+def test_fused_split_decode_refuses_bad_counters_and_inputs():
+    from kernels.paged_decode import paged_decode_attention_fused_split
+
+    qkv, cache, positions, slots, meta, _ = _decode_batch([3, 4], 4, 2, 16, 4, torch.float32, 0, 1)
+    norm = (*_weights(4, 2, 16, torch.float32), positions, 4, 2, 1e-6)
+    run = lambda counters, s=slots: paged_decode_attention_fused_split(  # noqa: E731
+        qkv, *norm, cache[0], cache[1], s, *meta, 0.25, 2, counters
+    )
+    with pytest.raises(ValueError, match="counters must be int32 with at least 4"):
+        run(torch.zeros(3, dtype=torch.int32, device=DEVICE))  # 2 sequences x 2 KV heads
+    with pytest.raises(ValueError, match="counters must be int32"):
+        run(torch.zeros(8, dtype=torch.int64, device=DEVICE))
+    with pytest.raises(ValueError, match="one slot and one position per token"):
+        run(torch.zeros(8, dtype=torch.int32, device=DEVICE), slots[:1])
