@@ -48,6 +48,11 @@ def bench(fn) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="1,32,64,128")
+    ap.add_argument(
+        "--tunable",
+        action="store_true",
+        help="also PyTorch TunableOp",
+    )
     args = ap.parse_args()
     rows = []
     for name, (n, k) in SHAPES.items():
@@ -61,15 +66,40 @@ def main() -> None:
             torch.backends.cuda.preferred_blas_library("cublaslt")
             lt = bench(graphed(lambda x=x, ws=ws: [F.linear(x, w) for w in ws]))
             torch.backends.cuda.preferred_blas_library("cublas")
-            rows.append((name, m, n * k * 2 / 1e9, eager, cublas, nn, lt))
+            tuned = _tuned(x, ws) if args.tunable else float("nan")
+            rows.append((name, m, n * k * 2 / 1e9, eager, cublas, nn, lt, tuned))
         del ws, wts
     head = ("gemm", "M", "eager us", "graph us", "TB/s", "NN us", "TB/s", "Lt us", "TB/s")
-    print("\n{:<11}{:>5}{:>10}{:>10}{:>6}{:>8}{:>6}{:>8}{:>6}".format(*head))
-    for name, m, gb, eag, cub, nn, lt in rows:
+    print(
+        "\n{:<11}{:>5}{:>10}{:>10}{:>6}{:>8}{:>6}{:>8}{:>6}{:>10}{:>6}".format(
+            *head, "tuned us", "TB/s"
+        )
+    )
+    for name, m, gb, eag, cub, nn, lt, tu in rows:
         print(
             f"{name:<11}{m:>5}{eag * 1e3:>10.1f}{cub * 1e3:>10.1f}{gb / cub:>6.2f}"
             f"{nn * 1e3:>8.1f}{gb / nn:>6.2f}{lt * 1e3:>8.1f}{gb / lt:>6.2f}"
+            f"{tu * 1e3:>10.1f}{gb / tu:>6.2f}"
         )
+
+
+def _tuned(x, ws) -> float:
+    """F.linear through PyTorch's TunableOp: every candidate GEMM implementation timed at
+    this shape on the first call, the fastest kept; then graphed and timed as the others."""
+    from torch.cuda import tunable
+
+    tunable.enable(True)
+    tunable.tuning_enable(True)
+    tunable.set_max_tuning_duration(200)
+    try:
+        F.linear(x, ws[0])  # tunes this shape (all copies share it)
+        tunable.tuning_enable(False)
+        return bench(graphed(lambda: [F.linear(x, w) for w in ws]))
+    except RuntimeError as err:
+        print(f"TunableOp failed at {tuple(x.shape)} x {tuple(ws[0].shape)}: {err}")
+        return float("nan")
+    finally:
+        tunable.enable(False)
 
 
 if __name__ == "__main__":

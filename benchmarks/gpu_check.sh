@@ -3,7 +3,7 @@
 # short tables print last. The full-size random checkpoint (with its codec) is written once
 # to /tmp/full-codec. Parts, by environment variable:
 #   ATTN=1       the attention kernel sweep (benchmarks/attention_shapes.py)
-#   GEMM=1       the cuBLAS GEMM table (GEMM_B: batch sizes)
+#   GEMM=1       the cuBLAS GEMM table (GEMM_B: batch sizes, GEMM_ARGS e.g. --tunable)
 #   SKIP_CODEC=1 skips the codec throughput table (CODEC_ARGS: its arguments)
 #   PYTEST_ARGS  tests to run (default: the whole suite; "" skips them); TESTS_K: a -k filter
 #   LOOP=1       the engine alone under the served load, async vs sync (LOOP_C: concurrencies)
@@ -18,6 +18,8 @@
 #   STEP_AB      the decode step (eager_step.py) per EngineConfig override set, as LOOP_AB
 #   HOST=1       host work per engine step at C = 64 and 128 (benchmarks/host_cost.py)
 #   GIL_MS="a b" one served start at C = 64 and 128 per GIL switch interval (ms) of the server
+#   NCU=1        Nsight Compute counters of the step's largest kernels (benchmarks/ncu_targets.py,
+#                NCU_ARGS its arguments); the full report in $OUT/ncu.txt
 #   STEP_ARGS    extra arguments of the decode-step table (STEP=0 skips it)
 # Each part has its own time limit, so one slow part cannot eat the whole call.
 set -uo pipefail
@@ -34,8 +36,15 @@ export CLONECAST_FULL_CKPT=$CKPT
 if [ "${ATTN:-0}" = 1 ]; then
   timeout 240 python3 benchmarks/attention_shapes.py ${ATTN_ARGS:-} 2>&1 | tee "$OUT/attention.log" | tail -12
 fi
+if [ "${NCU:-0}" = 1 ]; then
+  NCU_BIN=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
+  timeout 300 "$NCU_BIN" --clock-control none --profile-from-start off --section SpeedOfLight \
+    --section Occupancy --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis \
+    python3 benchmarks/ncu_targets.py ${NCU_ARGS:-} > "$OUT/ncu.txt" 2>&1
+  grep -E "Context 1|^    Duration|DRAM Throughput|Achieved Occupancy|Warp Cycles Per Issued|profiled:|ERR" "$OUT/ncu.txt" | sed 's/  */ /g' | head -80
+fi
 if [ "${GEMM:-0}" = 1 ]; then
-  timeout 200 python3 benchmarks/gemm_shapes.py --batches ${GEMM_B:-1,64,128} 2>&1 | tee "$OUT/gemm.log" | grep -v "^(" | tail -17
+  timeout 200 python3 benchmarks/gemm_shapes.py --batches ${GEMM_B:-1,64,128} ${GEMM_ARGS:-} 2>&1 | tee "$OUT/gemm.log" | grep -v "^(" | tail -17
 fi
 [ -n "${SKIP_CODEC:-}" ] || timeout 150 python3 benchmarks/codec_throughput.py ${CODEC_ARGS:-} 2>&1 | tee "$OUT/codec_throughput.log" | tail -24
 TESTS=${PYTEST_ARGS-tests}
