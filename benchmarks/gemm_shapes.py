@@ -2,11 +2,10 @@
 replayed from a CUDA graph (as the engine runs it), and in graphs two other ways of asking
 for the same product: the weight stored transposed (`x @ W^T` as an NN GEMM, other kernels)
 and cuBLASLt instead of cuBLAS (`torch.backends.cuda.preferred_blas_library`). Prints
-achieved weight bandwidth. One call, one table. (A Triton tensor-core skinny GEMM with
-split-K and a Triton GEMV for 1-4 rows were measured against these in graphs and were not
-faster; see docs/PERFORMANCE.md.)
+achieved weight bandwidth. `--tunable` adds PyTorch's TunableOp, `--ours` our split-K GEMM
+(kernels/skinny_gemm.py) at its default tiles and the best of a small sweep, in graphs.
 
-    python benchmarks/gemm_shapes.py [--batches 1,32,64,128]
+    python benchmarks/gemm_shapes.py [--batches 1,32,64,128] [--ours] [--tunable]
 """
 
 from __future__ import annotations
@@ -49,12 +48,15 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="1,32,64,128")
     ap.add_argument(
+        "--ours", action="store_true", help="also our split-K GEMM (kernels/skinny_gemm.py)"
+    )
+    ap.add_argument(
         "--tunable",
         action="store_true",
         help="also PyTorch TunableOp",
     )
     args = ap.parse_args()
-    rows = []
+    rows, ours = [], []
     for name, (n, k) in SHAPES.items():
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(COPIES)]
         wts = [w.t().contiguous() for w in ws]  # [K, N]: the same product as an NN GEMM
@@ -68,6 +70,8 @@ def main() -> None:
             torch.backends.cuda.preferred_blas_library("cublas")
             tuned = _tuned(x, ws) if args.tunable else float("nan")
             rows.append((name, m, n * k * 2 / 1e9, eager, cublas, nn, lt, tuned))
+            if args.ours and m <= 64:
+                ours.append((name, m, n * k * 2 / 1e9, cublas, *_ours(x, ws)))
         del ws, wts
     head = ("gemm", "M", "eager us", "graph us", "TB/s", "NN us", "TB/s", "Lt us", "TB/s")
     print(
@@ -81,6 +85,56 @@ def main() -> None:
             f"{nn * 1e3:>8.1f}{gb / nn:>6.2f}{lt * 1e3:>8.1f}{gb / lt:>6.2f}"
             f"{tu * 1e3:>10.1f}{gb / tu:>6.2f}"
         )
+    if ours:
+        print("\nour split-K GEMM in graphs (default: skinny_tiles; best of the sweep)")
+        fmt = "{:<11}{:>5}{:>10}{:>12}{:>6}{:>9}{:>6}  {}"
+        print(fmt.format("gemm", "M", "cuBLAS us", "default us", "TB/s", "best us", "TB/s", "best"))
+        for name, m, gb, cub, default, best, label in ours:
+            print(
+                f"{name:<11}{m:>5}{cub * 1e3:>10.1f}{default * 1e3:>12.1f}{gb / default:>6.2f}"
+                f"{best * 1e3:>9.1f}{gb / best:>6.2f}  {label}"
+            )
+
+
+SWEEP = [  # (block_n, block_k, num_stages, num_warps)
+    (64, 128, 4, 4),
+    (64, 256, 3, 4),
+    (128, 128, 4, 4),
+    (128, 64, 6, 4),
+    (32, 256, 4, 4),
+    (64, 128, 6, 8),
+]
+
+
+def _ours(x, ws) -> tuple[float, float, str]:
+    """(default ms, best ms, best label) of kernels/skinny_gemm.py for this shape, checked
+    against F.linear; the sweep: SWEEP x splits (the default's count, half, double)."""
+    from kernels.skinny_gemm import skinny_gemm, skinny_tiles
+
+    m, (n, k) = x.shape[0], ws[0].shape
+    counters = torch.zeros(4096, dtype=torch.int32, device="cuda")
+    ref = F.linear(x.float(), ws[0].float())
+
+    def timed(kw) -> float:
+        out = skinny_gemm(x, ws[0], counters, **kw)
+        err = float((out.float() - ref).norm() / ref.norm())
+        if err > 1e-2:
+            raise AssertionError(f"skinny_gemm {kw}: rel err {err:.2e}")
+        return bench(graphed(lambda: [skinny_gemm(x, w, counters, **kw) for w in ws]))
+
+    default = skinny_tiles(m, n, k)
+    results = []
+    for bn, bk, stages, warps in SWEEP:
+        auto = skinny_tiles(m, n, k)["split"] * 64 // bn  # the same programs per SM
+        for split in sorted({max(1, auto // 2), max(1, auto), 2 * max(1, auto)}):
+            kw = dict(block_n=bn, block_k=bk, split=split, num_stages=stages, num_warps=warps)
+            label = f"BN={bn} BK={bk} s={stages} w={warps} split={split}"
+            try:
+                results.append((timed(kw), label))
+            except Exception as err:  # a setting that does not fit (shared memory): skipped
+                print(f"{label}: {type(err).__name__}: {str(err)[:120]}")
+    best = min(results)
+    return timed(default), best[0], best[1]
 
 
 def _tuned(x, ws) -> float:

@@ -44,7 +44,7 @@ if [ "${NCU:-0}" = 1 ]; then
   grep -E "Context 1|^    Duration|DRAM Throughput|Achieved Occupancy|Warp Cycles Per Issued|profiled:|ERR" "$OUT/ncu.txt" | sed 's/  */ /g' | head -80
 fi
 if [ "${GEMM:-0}" = 1 ]; then
-  timeout 200 python3 benchmarks/gemm_shapes.py --batches ${GEMM_B:-1,64,128} ${GEMM_ARGS:-} 2>&1 | tee "$OUT/gemm.log" | grep -v "^(" | tail -17
+  timeout ${GEMM_LIMIT:-200} python3 benchmarks/gemm_shapes.py --batches ${GEMM_B:-1,64,128} ${GEMM_ARGS:-} 2>&1 | tee "$OUT/gemm.log" | grep -v "^(" | tail -32
 fi
 [ -n "${SKIP_CODEC:-}" ] || timeout 150 python3 benchmarks/codec_throughput.py ${CODEC_ARGS:-} 2>&1 | tee "$OUT/codec_throughput.log" | tail -24
 TESTS=${PYTEST_ARGS-tests}

@@ -185,6 +185,10 @@ class EngineConfig:
     # each may start while the previous kernel finishes. None: on with fused kernels on a GPU
     # of compute capability 9.0 or later; True: required (an error where it cannot apply).
     pdl: bool | None = None
+    # Weight projections of steps with up to this many tokens (1..64) run our split-K Triton
+    # GEMM (kernels/skinny_gemm.py) instead of cuBLAS; 0: cuBLAS everywhere. Needs fused
+    # kernels on a GPU.
+    skinny_gemm_rows: int = 0
     cuda_graphs: bool = True  # FULL backbone graphs (CUDA with the Triton backend); False: eager
     # The host schedules and launches step N+1 before it reads step N's rows (one step in
     # flight); False: each step's rows are read before the next step is scheduled.
@@ -260,6 +264,10 @@ class EngineConfig:
                 "fused_split_decode needs fused decode attention (fused_kernels, the Triton "
                 "backend, fused_decode_attention not False)"
             )
+        if not 0 <= self.skinny_gemm_rows <= 64:
+            raise ConfigError(f"skinny_gemm_rows must be in 0..64, got {self.skinny_gemm_rows}")
+        if self.skinny_gemm_rows and (self.device == "cpu" or not self.fused_kernels):
+            raise ConfigError("skinny_gemm_rows needs fused_kernels on a CUDA device")
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ConfigError(f"kv_cache_dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
         if self.kv_cache_dtype == "fp8" and self.attention_backend in ("varlen", "flash"):

@@ -79,6 +79,10 @@ class Engine:
         attention.fuse_split = config.fused_split_decode
         self.model, self.codec_keys = load_model(checkpoint, attention, device, dtype, fused)
         self.model.pdl = _resolve_pdl(config.pdl, fused, device)
+        if config.skinny_gemm_rows:
+            if not fused or device.type != "cuda":
+                raise ConfigError("skinny_gemm_rows needs fused kernels on a CUDA device")
+            self.model.use_skinny_gemm(config.skinny_gemm_rows)
         if config.max_model_len > self.model.config.max_position_embeddings:
             raise ConfigError(
                 f"max_model_len {config.max_model_len} exceeds the model's "

@@ -75,6 +75,10 @@ class TorchOps:
     qk_norm_rope_store = None  # no fused K/V store: the backend's forward writes them
 
     @staticmethod
+    def linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, layer.weight)
+
+    @staticmethod
     def silu_mul(gate_up):
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
@@ -114,6 +118,26 @@ class TritonOps:
 
         return silu_mul(gate_up)
 
+    linear = TorchOps.linear
+
+
+class SkinnyGemmOps(TritonOps):
+    """TritonOps whose weight projections of up to `max_rows` rows run our few-row GEMM
+    (kernels/skinny_gemm.py) instead of cuBLAS. The row count of a step is fixed per captured
+    graph, so the choice is made once per shape."""
+
+    def __init__(self, max_rows: int, counters: torch.Tensor):
+        self.max_rows = max_rows
+        self.counters = counters  # int32 zeros, shared by every launch (each leaves them zero)
+
+    def linear(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > self.max_rows:
+            return F.linear(x, layer.weight)
+        from kernels.skinny_gemm import skinny_gemm, skinny_tiles
+
+        n, k = layer.weight.shape
+        return skinny_gemm(x, layer.weight, self.counters, **skinny_tiles(x.shape[0], n, k))
+
 
 def _pdl_scope(enabled: bool):
     if not enabled:
@@ -142,7 +166,7 @@ class Attention(nn.Module):
 
     def forward(self, x, positions, kv_cache, rope: RotaryEmbedding, ops):
         t = x.shape[0]
-        qkv = self.qkv_proj(x)
+        qkv = ops.linear(self.qkv_proj, x)
         meta = current_metadata()
         if ops.qk_norm_rope_store is not None and self.backend.fuses_decode(meta, kv_cache):
             # one kernel: norms, RoPE, the K/V store and attention
@@ -156,7 +180,7 @@ class Attention(nn.Module):
             q, k = ops.qk_norm_rope(self, qkv, positions, rope)
             v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
             out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
-        return self.o_proj(out.reshape(t, self.q_size))
+        return ops.linear(self.o_proj, out.reshape(t, self.q_size))
 
 
 class MLP(nn.Module):
@@ -166,7 +190,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x, ops):
-        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
+        return ops.linear(self.down_proj, ops.silu_mul(ops.linear(self.gate_up_proj, x)))
 
 
 class DecoderLayer(nn.Module):
@@ -203,6 +227,15 @@ class HiggsModel(nn.Module):
         offsets = torch.arange(cfg.num_codebooks) * cfg.codebook_size
         self.register_buffer("codebook_offsets", offsets, persistent=False)  # [8]
         self.pdl = False  # Triton launches use programmatic dependent launch (EngineConfig.pdl)
+
+    def use_skinny_gemm(self, max_rows: int) -> None:
+        """Projections of up to `max_rows` rows through kernels/skinny_gemm.py
+        (EngineConfig.skinny_gemm_rows); needs the fused ops on a GPU."""
+        if self.ops is TorchOps:
+            raise ValueError("the few-row GEMM needs the fused (Triton) ops")
+        device = self.embed_tokens.weight.device
+        counters = torch.zeros(4096, dtype=torch.int32, device=device)
+        self.ops = SkinnyGemmOps(max_rows, counters)
 
     def embed_audio(self, rows: torch.Tensor) -> torch.Tensor:
         """Summed audio embedding of rows `[N, 8]`, accumulated in fp32 and rounded once."""

@@ -395,6 +395,16 @@ def test_pdl_setting_is_validated():
     assert EngineConfig(device="cuda", pdl=True).pdl is True
 
 
+def test_skinny_gemm_rows_is_validated():
+    assert EngineConfig(device="cuda", skinny_gemm_rows=64).skinny_gemm_rows == 64
+    with pytest.raises(ConfigError, match="0..64"):
+        EngineConfig(device="cuda", skinny_gemm_rows=65)
+    with pytest.raises(ConfigError, match="CUDA"):
+        EngineConfig(skinny_gemm_rows=8)  # the CPU
+    with pytest.raises(ConfigError, match="fused_kernels"):
+        EngineConfig(device="cuda", skinny_gemm_rows=8, fused_kernels=False)
+
+
 def test_kv_cache_dtype_is_validated():
     assert EngineConfig(kv_cache_dtype="fp8").kv_cache_dtype == "fp8"
     with pytest.raises(ConfigError, match="auto or fp8"):

@@ -37,6 +37,7 @@ def _run(
     fuse_decode: bool = False,
     kv_dtype=None,
     fuse_split: bool = False,
+    skinny_rows: int = 0,
 ):
     torch.manual_seed(0)
     attention = make_backend(backend)
@@ -47,6 +48,8 @@ def _run(
     model = HiggsModel(CFG, attention, fused)
     for p in model.parameters():
         torch.nn.init.normal_(p, std=0.2)
+    if skinny_rows:
+        model.use_skinny_gemm(skinny_rows)
     caches = [torch.zeros(2, BLOCKS, PAGE, 2, 16, dtype=kv_dtype) for _ in range(CFG.num_layers)]
     if layout == "hnd":  # head-major memory, the usual shape
         hnd = (2, BLOCKS, 2, PAGE, 16)
@@ -115,6 +118,33 @@ def test_fused_ops_equal_torch_ops(backend, layout, fuse_decode, fuse_split, mon
         torch.testing.assert_close(cache[:, 1:], ref[:, 1:], rtol=1e-5, atol=1e-5)
         assert not cache[:, 0].any()  # the fused store skipped the padding rows
         assert cache[:, 1:].abs().sum() > 0
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # padding rows
+@pytest.mark.parametrize("skinny_rows, launches", [(64, 2 * 4 * 2), (3, 2 * 4)])
+def test_skinny_gemm_projections_equal_torch_ops(skinny_rows, launches, monkeypatch):
+    """`skinny_gemm_rows`: the four projections of each layer through kernels/skinny_gemm.py
+    for steps of up to that many tokens (here the 9-token prefill and the 3-token decode
+    step, or only the decode step), the same hidden states and caches as the torch ops."""
+    import kernels.skinny_gemm
+
+    ref_hidden, ref_caches = _run(False, "torch")
+    calls = []
+    original = kernels.skinny_gemm.skinny_gemm
+    monkeypatch.setattr(
+        kernels.skinny_gemm, "skinny_gemm", lambda *a, **k: calls.append(1) or original(*a, **k)
+    )
+    hidden, caches = _run(True, "triton", skinny_rows=skinny_rows)
+    assert len(calls) == launches  # 2 layers x 4 projections per step taken
+    torch.testing.assert_close(hidden, ref_hidden, rtol=1e-5, atol=1e-5)
+    for cache, ref in zip(caches, ref_caches, strict=True):
+        torch.testing.assert_close(cache[:, 1:], ref[:, 1:], rtol=1e-5, atol=1e-5)
+
+
+def test_skinny_gemm_needs_the_fused_ops():
+    model = HiggsModel(CFG, make_backend("torch"), fused=False)
+    with pytest.raises(ValueError, match="fused"):
+        model.use_skinny_gemm(8)
 
 
 @pytest.mark.parametrize("layout", ["nhd", "hnd"])

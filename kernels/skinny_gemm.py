@@ -1,0 +1,140 @@
+"""`x @ W^T` for few rows (decode steps: 1 to 64 tokens) in Triton, split over the whole GPU.
+
+At these shapes a projection reads its weight once and does almost no arithmetic: its time
+is the weight's bytes over the memory bandwidth the launch reaches. cuBLAS picks tiles that
+run 80 to 120 blocks on the H200's 132 multiprocessors for the Higgs shapes (Nsight Compute:
+43-69% of the DRAM bandwidth, docs/PERFORMANCE.md) and a separate split-K reduction launch.
+Here the grid is (output tiles, K splits) sized to fill the GPU, each program streams its
+`[BN, K / SPLIT]` weight slab through a pipelined loop, and the last program of an output tile
+to finish (counted with an atomic) adds the partials in split order, so the result does not
+depend on which program finished last. Tensors in, tensor out; the reference is `F.linear`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.launch import pdl_enter, pdl_launch
+
+
+@triton.jit
+def _skinny_gemm_kernel(
+    x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
+    EVEN_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    # Grid (N / BN, SPLIT). The tile is transposed (acc[n, m] = W[n, :] . x[m, :]) so that the
+    # weight's rows are the tensor-core tile's tall side and the few x rows its narrow one.
+    pdl_enter(PDL)
+    tile, split = tl.program_id(0), tl.program_id(1)
+    n = tile * BN + tl.arange(0, BN)
+    m = tl.arange(0, BM)
+    n_ok, m_ok = n < N, m < M
+    per = tl.cdiv(tl.cdiv(K, BK), SPLIT) * BK  # K columns per split, whole BK chunks
+    lo = split * per
+    hi = tl.minimum(K, lo + per)
+    w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
+    x_cols = x_ptr + m[None, :] * stride_xm
+    acc = tl.zeros([BN, BM], tl.float32)
+    for k0 in range(lo, hi, BK):
+        k = k0 + tl.arange(0, BK)
+        if EVEN_K:
+            w = tl.load(w_rows + k[None, :], mask=n_ok[:, None], other=0.0)
+            x = tl.load(x_cols + k[:, None], mask=m_ok[None, :], other=0.0)
+        else:
+            k_ok = k < hi
+            w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            x = tl.load(x_cols + k[:, None], mask=m_ok[None, :] & k_ok[:, None], other=0.0)
+        if IEEE:  # fp32 operands: full-precision products, as F.linear without TF32
+            acc = tl.dot(w, x, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, x, acc)
+    out_at = out_ptr + m[None, :] * stride_om + n[:, None]
+    out_ok = n_ok[:, None] & m_ok[None, :]
+    if SPLIT == 1:
+        tl.store(out_at, acc.to(out_ptr.dtype.element_ty), mask=out_ok)
+    else:
+        # partials [SPLIT, BM, N] (fp32); the last program of this tile adds them in order
+        part_at = part_ptr + m[None, :] * N + n[:, None]
+        tl.store(part_at + split * BM * N, acc, mask=out_ok)
+        tl.debug_barrier()  # every thread's partial stored before the count (release)
+        counter = count_ptr + tile
+        if tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT - 1:
+            tl.debug_barrier()
+            tl.store(counter, 0)  # zero again for the next launch
+            total = tl.zeros([BN, BM], tl.float32)
+            for s in tl.static_range(SPLIT):
+                total += tl.load(part_at + s * BM * N, mask=out_ok, other=0.0, cache_modifier=".cg")
+            tl.store(out_at, total.to(out_ptr.dtype.element_ty), mask=out_ok)
+
+
+NUM_SMS = 132  # the H200's multiprocessors; the split count aims at a few programs per SM
+
+
+def skinny_tiles(m: int, n: int, k: int, num_sms: int = NUM_SMS) -> dict:
+    """Default tile settings for an `[m, k] @ [n, k]^T` product (tuned on the H200,
+    benchmarks/gemm_shapes.py --ours): rows padded to a tensor-core tile, output tiles of
+    64 weight rows, and K split until about two programs per multiprocessor run."""
+    bm = max(16, triton.next_power_of_2(m))
+    bn, bk = 64, 128
+    tiles = triton.cdiv(n, bn)
+    chunks = triton.cdiv(k, bk)
+    split = max(1, min(chunks, round(2 * num_sms / tiles)))
+    return dict(block_m=bm, block_n=bn, block_k=bk, split=split, num_warps=4, num_stages=4)
+
+
+def skinny_gemm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    counters: torch.Tensor,
+    out: torch.Tensor | None = None,
+    block_m: int | None = None,
+    block_n: int = 64,
+    block_k: int = 128,
+    split: int = 1,
+    num_warps: int = 4,
+    num_stages: int = 4,
+) -> torch.Tensor:
+    """`x [M, K] @ weight [N, K]^T -> [M, N]` in x's dtype (fp32 accumulation), for M up to
+    64. `counters`: int32, at least `ceil(N / block_n)`, all zero; every launch leaves them
+    zero (allocate once, share between launches on one stream and graph replays). Tile knobs
+    as `skinny_tiles`, which gives the defaults the engine uses."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if weight.shape[1] != k or weight.stride(1) != 1 or x.stride(1) != 1:
+        raise ValueError(f"x [M, K], weight [N, K], K contiguous: got {x.shape}, {weight.shape}")
+    if m > 64:
+        raise ValueError(f"skinny_gemm takes at most 64 rows, got {m}")
+    block_m = block_m or max(16, triton.next_power_of_2(m))
+    tiles = triton.cdiv(n, block_n)
+    if split > 1 and (counters.dtype != torch.int32 or counters.numel() < tiles):
+        raise ValueError(f"counters must be int32 with at least {tiles} elements")
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
+    parts = out  # unused without a split
+    if split > 1:
+        parts = torch.empty(split, block_m, n, dtype=torch.float32, device=x.device)
+    _skinny_gemm_kernel[(tiles, split)](
+        x,
+        weight,
+        out,
+        parts,
+        counters,
+        m,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        BM=block_m,
+        BN=block_n,
+        BK=block_k,
+        SPLIT=split,
+        EVEN_K=k % block_k == 0,  # whole chunks: every split's columns lie below K
+        IEEE=x.dtype == torch.float32,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        **pdl_launch(),
+    )
+    return out

@@ -1,0 +1,90 @@
+"""The few-row GEMM (kernels/skinny_gemm.py) against `F.linear`: small shapes on the CPU under
+the Triton interpreter, the Higgs projections on a GPU; split-K partials added in a fixed
+order (the same bits launch after launch), counters left zero."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.skinny_gemm import skinny_gemm, skinny_tiles
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _operands(m, n, k, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(DEVICE, dtype)
+    w = (0.05 * torch.randn(n, k, generator=g)).to(DEVICE, dtype)
+    return x, w
+
+
+@pytest.mark.parametrize(
+    "m,n,k,block_n,block_k,split",
+    [
+        (1, 48, 64, 16, 32, 1),
+        (3, 40, 96, 16, 32, 2),  # N not a whole number of tiles
+        (5, 64, 80, 32, 32, 3),  # K not a whole number of chunks, uneven splits
+        (16, 32, 128, 16, 32, 8),  # more splits than some tiles have chunks: empty splits
+        (17, 32, 64, 32, 16, 2),  # rows padded to 32
+    ],
+)
+def test_matches_linear(m, n, k, block_n, block_k, split):
+    x, w = _operands(m, n, k, torch.float32)
+    counters = torch.zeros(8, dtype=torch.int32, device=DEVICE)
+    knobs = dict(block_n=block_n, block_k=block_k, split=split, num_stages=2)
+    out = skinny_gemm(x, w, counters, **knobs)
+    torch.testing.assert_close(out, F.linear(x, w), rtol=1e-5, atol=1e-5)
+    assert int(counters.abs().sum()) == 0  # left zero for the next launch
+    again = skinny_gemm(x, w, counters, **knobs)
+    assert torch.equal(out, again)
+
+
+def test_writes_into_a_given_output_with_a_row_stride():
+    x, w = _operands(4, 32, 64, torch.float32, seed=1)
+    counters = torch.zeros(4, dtype=torch.int32, device=DEVICE)
+    big = torch.full((4, 48), 7.0, device=DEVICE)
+    out = skinny_gemm(x, w, counters, out=big[:, :32], block_n=16, block_k=32, split=2)
+    torch.testing.assert_close(out, F.linear(x, w), rtol=1e-5, atol=1e-5)
+    assert torch.equal(big[:, 32:], torch.full((4, 16), 7.0, device=DEVICE))
+
+
+def test_refuses_what_it_cannot_do():
+    x, w = _operands(2, 32, 64, torch.float32)
+    counters = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="at least 2"):
+        skinny_gemm(x, w, counters, block_n=16, split=2)
+    with pytest.raises(ValueError, match="int32"):
+        skinny_gemm(x, w, counters.long(), block_n=32, split=2)
+    with pytest.raises(ValueError, match="at most 64 rows"):
+        skinny_gemm(torch.zeros(65, 64, device=DEVICE), w, counters)
+    with pytest.raises(ValueError, match="K contiguous"):
+        skinny_gemm(x, w[:, :48], counters)
+
+
+def test_default_tiles_fill_the_gpu():
+    # qkv at one row: 96 tiles of 64 weight rows, K split in 3 -> 288 programs
+    tiles = skinny_tiles(1, 6144, 2560)
+    assert tiles["block_m"] == 16 and tiles["split"] == 3
+    assert skinny_tiles(64, 2560, 9728)["split"] == 7  # down: 40 tiles
+    assert skinny_tiles(33, 19456, 2560)["block_m"] == 64
+    assert skinny_tiles(1, 19456, 2560)["split"] == 1  # gate_up: 304 tiles already
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("m", [1, 2, 8, 33, 64])
+@pytest.mark.parametrize(
+    "n,k", [(6144, 2560), (2560, 4096), (19456, 2560), (2560, 9728), (8208, 2560)]
+)
+def test_higgs_shapes_on_the_gpu(m, n, k):
+    x, w = _operands(m, n, k, torch.bfloat16, seed=m)
+    counters = torch.zeros(1024, dtype=torch.int32, device=DEVICE)
+    out = skinny_gemm(x, w, counters, **skinny_tiles(m, n, k))
+    ref = F.linear(x.float(), w.float())
+    err = float((out.float() - ref).norm() / ref.norm())
+    assert err < 4e-3, err  # bf16 output rounding
+    for _ in range(3):  # the same bits whichever program finishes last
+        assert torch.equal(skinny_gemm(x, w, counters, **skinny_tiles(m, n, k)), out)
+    assert int(counters.abs().sum()) == 0
