@@ -19,11 +19,7 @@ from kernels.paged_attention import (
     paged_attention_reference,
     paged_decode_attention_fused,
 )
-from kernels.paged_decode import (
-    decode_splits,
-    paged_decode_attention,
-    paged_decode_attention_fused_split,
-)
+from kernels.paged_decode import decode_splits, paged_decode_attention
 
 CASES = {  # name: (query lengths, context lengths, launch bound; 0 = the longest query)
     "decode 64 x 400": ([1] * 64, [399] * 64, 0),
@@ -162,9 +158,8 @@ def main() -> None:
 
 
 def fused_table(wanted):
-    """Decode cases: q/k-norm + RoPE with the K/V store then attention, as two launches
-    (three with a context split) and as one (`fused_decode_attention`; split cases:
-    `fused_split_decode`). Timed eagerly (launch costs included on both sides)."""
+    """Decode cases the one-pass kernel serves (no context split): q/k-norm + RoPE with the
+    K/V store then attention, as two launches and as one (`fused_decode_attention`)."""
     from engine.model import RotaryEmbedding
 
     print(
@@ -172,11 +167,10 @@ def fused_table(wanted):
     )
     rope = RotaryEmbedding(128, 1e6, 4096).to("cuda")
     for name, (q_lens, ctx, _) in CASES.items():
-        if max(q_lens) == 1 and (not wanted or name.replace(" ", "_") in wanted):
+        decode = max(q_lens) == 1 and decode_splits(len(q_lens), 8) == 1
+        if decode and (not wanted or name.replace(" ", "_") in wanted):
             two, one = _fused_case(q_lens, ctx, rope)
-            splits = decode_splits(len(q_lens), 8)
-            label = f"{name} (split {splits}: three launches)" if splits > 1 else name
-            print(f"{label:<19}{two:>16.1f}{one:>10.1f}")
+            print(f"{name:<19}{two:>16.1f}{one:>10.1f}")
 
 
 def _fused_case(q_lens, ctx, rope) -> tuple[float, float]:
@@ -192,20 +186,11 @@ def _fused_case(q_lens, ctx, rope) -> tuple[float, float]:
     cache = torch.stack([k, v])
     index = (qsl, lens, tables)
 
-    splits = decode_splits(len(q_lens), 8)
-    counters = torch.zeros(len(q_lens) * 8, dtype=torch.int32, device="cuda")
-
     def two():
         q = qk_norm_rope_store(qkv, *norm, cache, slots)
-        if splits > 1:
-            return paged_decode_attention(q, cache[0], cache[1], *index, 128**-0.5, splits)
         return paged_attention(q, cache[0], cache[1], *index, 128**-0.5, 1)
 
     def one():
-        if splits > 1:  # EngineConfig.fused_split_decode
-            return paged_decode_attention_fused_split(
-                qkv, *norm, cache[0], cache[1], slots, *index, 128**-0.5, splits, counters
-            )
         return paged_decode_attention_fused(
             qkv, *norm, cache[0], cache[1], slots, *index, 128**-0.5
         )

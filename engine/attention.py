@@ -183,41 +183,21 @@ class TritonAttention(_StoreThenAttend):
 
         return decode_splits(meta.num_seqs, kv_cache.shape[3], self.split_target)
 
-    fuse_split = False  # EngineConfig.fused_split_decode
-    _counters = None  # the fused split-KV launch's per-(sequence, KV head) counters, all zero
-
     def fuses_decode(self, meta, kv_cache) -> bool:
-        """Decode-only steps that run the one-pass kernel (enough sequences not to split), and
-        with `fuse_split` the split-KV ones too."""
+        """Decode-only steps that run the one-pass kernel (enough sequences not to split)."""
         if not self.fuse_decode or meta.max_query_len != 1:
             return False
-        return self.fuse_split or self._splits(meta, kv_cache) == 1
+        return self._splits(meta, kv_cache) == 1
 
     def decode_fused(self, norm_args, kv_cache, meta, scale):
         """`norm_args`: the q/k-norm + RoPE kernel's arguments (qkv, q and k norm weights,
         cos, sin, positions, heads, KV heads, eps); K/V stored at the step's slots."""
         from kernels.paged_attention import paged_decode_attention_fused
-        from kernels.paged_decode import paged_decode_attention_fused_split
 
         slots = meta.slot_mapping[: meta.num_tokens]
         cache = (kv_cache[0], kv_cache[1], slots)
         index = (meta.query_start_loc, meta.seq_lens, meta.block_tables)
-        splits = self._splits(meta, kv_cache)
-        if splits == 1:
-            return paged_decode_attention_fused(*norm_args, *cache, *index, scale)
-        needed = meta.num_seqs * kv_cache.shape[3]
-        if self._counters is None:
-            # Zeroed once; every launch leaves them zero. Never reallocated: captured graphs
-            # keep its address. A split launch has at most split_target / 2 (sequence, KV
-            # head) pairs (decode_splits), so split_target counters always suffice.
-            size = max(needed, self.split_target)
-            self._counters = torch.zeros(size, dtype=torch.int32, device=kv_cache.device)
-        if self._counters.numel() < needed:
-            raise RuntimeError(
-                f"fused split decode: {needed} counters needed, {self._counters.numel()} allocated"
-            )
-        args = (*norm_args, *cache, *index, scale, splits, self._counters)
-        return paged_decode_attention_fused_split(*args)
+        return paged_decode_attention_fused(*norm_args, *cache, *index, scale)
 
     def attend(self, q, kv_cache, meta, scale):
         from kernels.paged_attention import paged_attention

@@ -176,19 +176,15 @@ class EngineConfig:
     # faster a step at batch 64). None: on wherever it applies; True: required (a
     # configuration error where it cannot apply); False: two launches.
     fused_decode_attention: bool | None = None
-    # With fused decode attention: decode steps of few sequences (split-KV) also run as one
-    # launch per layer (q/k-norm + RoPE, K/V store, the splits and their combine by the last
-    # program to finish). Written after the device time ran out: CPU-tested under the Triton
-    # interpreter, not yet run on a GPU, so off until it has been (docs/PERFORMANCE.md).
-    fused_split_decode: bool = False
     # Triton launches of the forward use programmatic dependent launch (kernels/launch.py):
     # each may start while the previous kernel finishes. None: on with fused kernels on a GPU
     # of compute capability 9.0 or later; True: required (an error where it cannot apply).
     pdl: bool | None = None
     # Weight projections of steps with up to this many tokens (1..64) run our split-K Triton
-    # GEMM (kernels/skinny_gemm.py) instead of cuBLAS; 0: cuBLAS everywhere. Needs fused
-    # kernels on a GPU.
-    skinny_gemm_rows: int = 0
+    # GEMM (kernels/skinny_gemm.py) instead of cuBLAS; 0: cuBLAS everywhere. None: 16 with
+    # fused kernels on a GPU (faster than cuBLAS there on the H200; at 64 rows it is not),
+    # else 0. A positive value needs fused kernels on a GPU.
+    skinny_gemm_rows: int | None = None
     cuda_graphs: bool = True  # FULL backbone graphs (CUDA with the Triton backend); False: eager
     # The host schedules and launches step N+1 before it reads step N's rows (one step in
     # flight); False: each step's rows are read before the next step is scheduled.
@@ -255,16 +251,7 @@ class EngineConfig:
             )
         if self.pdl is True and (self.device == "cpu" or not self.fused_kernels):
             raise ConfigError("pdl needs fused_kernels on a CUDA device (compute capability 9+)")
-        if self.fused_split_decode and (
-            self.fused_decode_attention is False
-            or not self.fused_kernels
-            or self.attention_backend in ("torch", "varlen", "flash")
-        ):
-            raise ConfigError(
-                "fused_split_decode needs fused decode attention (fused_kernels, the Triton "
-                "backend, fused_decode_attention not False)"
-            )
-        if not 0 <= self.skinny_gemm_rows <= 64:
+        if self.skinny_gemm_rows is not None and not 0 <= self.skinny_gemm_rows <= 64:
             raise ConfigError(f"skinny_gemm_rows must be in 0..64, got {self.skinny_gemm_rows}")
         if self.skinny_gemm_rows and (self.device == "cpu" or not self.fused_kernels):
             raise ConfigError("skinny_gemm_rows needs fused_kernels on a CUDA device")

@@ -76,13 +76,15 @@ class Engine:
         fused = device.type == "cuda" and config.fused_kernels
         attention = make_backend(backend)
         attention.fuse_decode = config.fused_decode_attention is not False  # where it applies
-        attention.fuse_split = config.fused_split_decode
         self.model, self.codec_keys = load_model(checkpoint, attention, device, dtype, fused)
         self.model.pdl = _resolve_pdl(config.pdl, fused, device)
-        if config.skinny_gemm_rows:
-            if not fused or device.type != "cuda":
+        skinny_rows = config.skinny_gemm_rows
+        if skinny_rows is None:  # auto: few-row steps, where the kernel beats cuBLAS
+            skinny_rows = 16 if fused else 0
+        if skinny_rows:
+            if not fused:
                 raise ConfigError("skinny_gemm_rows needs fused kernels on a CUDA device")
-            self.model.use_skinny_gemm(config.skinny_gemm_rows)
+            self.model.use_skinny_gemm(skinny_rows)
         if config.max_model_len > self.model.config.max_position_embeddings:
             raise ConfigError(
                 f"max_model_len {config.max_model_len} exceeds the model's "

@@ -79,6 +79,11 @@ class TorchOps:
         return F.linear(x, layer.weight)
 
     @staticmethod
+    def gated_linear(layer: nn.Linear, gate_up: torch.Tensor) -> torch.Tensor:
+        """The MLP's down projection of silu(gate) * up."""
+        return F.linear(TorchOps.silu_mul(gate_up), layer.weight)
+
+    @staticmethod
     def silu_mul(gate_up):
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
@@ -120,6 +125,10 @@ class TritonOps:
 
     linear = TorchOps.linear
 
+    @staticmethod
+    def gated_linear(layer: nn.Linear, gate_up: torch.Tensor) -> torch.Tensor:
+        return F.linear(TritonOps.silu_mul(gate_up), layer.weight)
+
 
 class SkinnyGemmOps(TritonOps):
     """TritonOps whose weight projections of up to `max_rows` rows run our few-row GEMM
@@ -137,6 +146,16 @@ class SkinnyGemmOps(TritonOps):
 
         n, k = layer.weight.shape
         return skinny_gemm(x, layer.weight, self.counters, **skinny_tiles(x.shape[0], n, k))
+
+    def gated_linear(self, layer: nn.Linear, gate_up: torch.Tensor) -> torch.Tensor:
+        """The activation folded into the down projection's loads: one launch, not two."""
+        if gate_up.shape[0] > self.max_rows:
+            return TritonOps.gated_linear(layer, gate_up)
+        from kernels.skinny_gemm import skinny_gemm, skinny_tiles
+
+        n, k = layer.weight.shape
+        tiles = skinny_tiles(gate_up.shape[0], n, k)
+        return skinny_gemm(gate_up, layer.weight, self.counters, gated=True, **tiles)
 
 
 def _pdl_scope(enabled: bool):
@@ -190,7 +209,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x, ops):
-        return ops.linear(self.down_proj, ops.silu_mul(ops.linear(self.gate_up_proj, x)))
+        return ops.gated_linear(self.down_proj, ops.linear(self.gate_up_proj, x))
 
 
 class DecoderLayer(nn.Module):

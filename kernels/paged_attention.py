@@ -42,52 +42,6 @@ def _load_k(k_ptr, offs, d, n_ok, K_ROWS: tl.constexpr):
 
 
 @triton.jit
-def decode_prologue(
-    qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, eps, q_ptr, k_ptr, v_ptr,
-    q_start, kv_head, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, store_kv,
-    G: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-    PAGE: tl.constexpr, FUSED_ROWS: tl.constexpr,
-):  # fmt: skip
-    """A decode program's share of the q/k-norm + RoPE kernel (norm_rope.py) for the token at
-    `q_start`: its G query heads to q_ptr and, where `store_kv`, its KV head's k and v into
-    the cache at the token's slot (padding slots skipped), then a barrier so that the whole
-    program reads those stores back. Used by the fused split-KV kernel (paged_decode.py); the
-    one-pass kernel below still has the same lines inline, GPU-verified, until this helper
-    has run on a GPU too."""
-    f_j = tl.arange(0, FUSED_ROWS)
-    f_head = tl.where(f_j < G, kv_head * G + f_j, tl.where(f_j == G, HQ, HQ + HKV) + kv_head)
-    f_row = qkv_ptr + q_start.to(tl.int64) * (HQ + 2 * HKV) * D + f_head[:, None] * D
-    o1, o2, x1, x2 = norm_rope_rows(
-        f_row,
-        f_j < G,
-        (f_j < G + 2)[:, None],
-        qw_ptr,
-        kw_ptr,
-        cos_ptr,
-        sin_ptr,
-        tl.load(pos_ptr + q_start),
-        eps,
-        D,
-        q_ptr.dtype.element_ty,
-    )
-    half = tl.arange(0, D // 2)
-    f_q = q_ptr + q_start * stride_qt + f_head[:, None] * stride_qh + half[None, :]
-    tl.store(f_q, o1, mask=(f_j < G)[:, None])
-    tl.store(f_q + D // 2, o2, mask=(f_j < G)[:, None])
-    slot = tl.load(slot_ptr + q_start).to(tl.int64)
-    keep = (slot >= PAGE) & store_kv  # slots in the reserved block 0 are padding rows
-    at = (slot // PAGE) * stride_kb + (slot % PAGE) * stride_ks + kv_head * stride_kh
-    is_k, is_v = ((f_j == G) & keep)[:, None], ((f_j == G + 1) & keep)[:, None]
-    cdtype = k_ptr.dtype.element_ty
-    cols = at + half[None, :] + 0 * f_j[:, None]  # one row per tile row, masked to k / v
-    tl.store(k_ptr + cols, to_cache(o1, cdtype), mask=is_k)
-    tl.store(k_ptr + cols + D // 2, to_cache(o2, cdtype), mask=is_k)
-    tl.store(v_ptr + cols, to_cache(x1, cdtype), mask=is_v)
-    tl.store(v_ptr + cols + D // 2, to_cache(x2, cdtype), mask=is_v)
-    tl.debug_barrier()
-
-
-@triton.jit
 def _program_ids(HEADS_FIRST: tl.constexpr):
     """(sequence, query block, KV head) of a one-pass program. With HEADS_FIRST the grid is
     (KV heads, query blocks, sequences): the programs of one sequence's heads are launched

@@ -13,13 +13,7 @@ import triton
 import triton.language as tl
 
 from kernels.launch import pdl_enter, pdl_launch
-from kernels.paged_attention import (
-    _LOG2E,
-    _check_same_strides,
-    _load_k,
-    check_decode_inputs,
-    decode_prologue,
-)
+from kernels.paged_attention import _LOG2E, _check_same_strides, _load_k
 
 
 @triton.jit
@@ -129,87 +123,6 @@ def _decode_reduce_kernel(
     tl.store(o_ptr + q_start * stride_ot + head * stride_oh + d, out.to(o_ptr.dtype.element_ty))
 
 
-@triton.jit
-def _decode_split_fused_kernel(
-    qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, eps, q_ptr, k_ptr, v_ptr,
-    part_o_ptr, part_ml_ptr, count_ptr, o_ptr, qsl_ptr, seq_lens_ptr, bt_ptr, qk_scale,
-    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot, stride_oh,
-    G: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, ROWS: tl.constexpr,
-    FUSED_ROWS: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLITS: tl.constexpr, K_ROWS: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
-    # Grid (sequences, KV heads, splits), decode rows only. Each program: q/k-norm + RoPE for
-    # its heads (the split holding the new token also stores its K/V), its slice of the
-    # context, its partial sums; the last program of a (sequence, KV head) to finish, counted
-    # with an atomic, combines the SPLITS partials in split order (deterministic) and resets
-    # the counter for the next launch.
-    # (The split loop repeats _decode_split_kernel's, and the prologue the one-pass kernel's,
-    # so the GPU-verified kernels stay untouched until this one has run on a GPU.)
-    pdl_enter(PDL)
-    seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    q_start = tl.load(qsl_ptr + seq)
-    if tl.load(qsl_ptr + seq + 1) == q_start:
-        return  # a padding sequence: every program of it leaves here
-    seq_len = tl.load(seq_lens_ptr + seq)
-    chunk = tl.cdiv(tl.cdiv(seq_len, SPLITS), BLOCK_N) * BLOCK_N
-    lo = split * chunk
-    hi = tl.minimum(seq_len, lo + chunk)
-    owns_new = (seq_len - 1 >= lo) & (seq_len - 1 < hi)
-    decode_prologue(
-        qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, eps, q_ptr, k_ptr, v_ptr,
-        q_start, kv_head, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, owns_new,
-        G, HQ, HKV, D, PAGE, FUSED_ROWS,
-    )  # fmt: skip
-    r = tl.arange(0, ROWS)
-    row_ok = r < G
-    head = kv_head * G + r
-    d = tl.arange(0, D)
-    q = tl.load(
-        q_ptr + q_start * stride_qt + head[:, None] * stride_qh + d[None, :],
-        mask=row_ok[:, None],
-        other=0.0,
-    )
-    m_i = tl.full([ROWS], float("-inf"), tl.float32)
-    l_i = tl.zeros([ROWS], tl.float32)
-    acc = tl.zeros([ROWS, D], tl.float32)
-    for start in range(lo, hi, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
-        n_ok = n < hi
-        page = tl.load(bt_ptr + seq * stride_bt + n // PAGE, mask=n_ok, other=0)
-        offs = page.to(tl.int64) * stride_kb + (n % PAGE) * stride_ks + kv_head * stride_kh
-        k = _load_k(k_ptr, offs, d, n_ok, K_ROWS).to(q.dtype)
-        s = tl.where(n_ok[None, :], tl.dot(q, k) * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + offs[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
-        m_i = m_new
-    base = (seq * HQ + head) * SPLITS + split
-    tl.store(part_o_ptr + base[:, None] * D + d[None, :], acc, mask=row_ok[:, None])
-    tl.store(part_ml_ptr + base * 2, m_i, mask=row_ok)
-    tl.store(part_ml_ptr + base * 2 + 1, l_i, mask=row_ok)
-    # Release our partials, learn whether we are last (acquiring everyone else's): the
-    # barriers order every thread's stores before the atomic and every load after it (the
-    # classic last-block pattern; the loads bypass L1).
-    tl.debug_barrier()
-    counter = count_ptr + seq * HKV + kv_head
-    if tl.atomic_add(counter, 1, sem="acq_rel") == SPLITS - 1:
-        tl.debug_barrier()
-        tl.store(counter, 0)
-        sp = tl.arange(0, SPLITS)
-        for g in tl.static_range(G):
-            hb = (seq * HQ + kv_head * G + g) * SPLITS + sp
-            m = tl.load(part_ml_ptr + hb * 2, cache_modifier=".cg")
-            denom = tl.load(part_ml_ptr + hb * 2 + 1, cache_modifier=".cg")
-            w = tl.where(denom > 0, tl.exp2(m - tl.max(m, 0)), 0.0)  # empty splits weigh 0
-            parts = tl.load(part_o_ptr + hb[:, None] * D + d[None, :], cache_modifier=".cg")
-            out = tl.sum(parts * w[:, None], 0) / tl.sum(denom * w, 0)
-            o_row = o_ptr + q_start * stride_ot + (kv_head * G + g) * stride_oh + d
-            tl.store(o_row, out.to(o_ptr.dtype.element_ty))
-
-
 def decode_splits(num_seqs: int, num_kv_heads: int, target_programs: int = 264) -> int:
     """KV splits per sequence for a decode-only launch: enough programs to fill the GPU."""
     splits = target_programs // max(1, num_seqs * num_kv_heads)
@@ -285,94 +198,6 @@ def paged_decode_attention(
         HQ=hq,
         D=d,
         SPLITS=splits,
-        **pdl_launch(),
-    )
-    return out
-
-
-def paged_decode_attention_fused_split(
-    qkv,
-    q_weight,
-    k_weight,
-    cos,
-    sin,
-    positions,
-    num_heads,
-    num_kv_heads,
-    eps,
-    k_cache,
-    v_cache,
-    slots,
-    query_start_loc,
-    seq_lens,
-    block_tables,
-    scale,
-    splits: int,
-    counters: torch.Tensor,
-    block_n: int = 32,
-    num_warps: int = 4,
-    num_stages: int = 2,
-    k_rows: bool = False,
-):
-    """`paged_decode_attention_fused` (q/k-norm + RoPE, the K/V store and attention in one
-    launch) with the context split `splits` ways and the partials combined by the last
-    program of each (sequence, KV head) to finish: one launch a layer for few sequences.
-    `counters`: int32, at least `sequences * KV heads`, all zero; the launch leaves them
-    zero (allocate once, reuse across launches and graph replays). Returns `[T, Hq, D]`
-    (tokens of no sequence get no row). The reference: `qk_norm_rope_store` then
-    `paged_decode_attention`."""
-    num_seqs = seq_lens.shape[0]
-    t, d = qkv.shape[0], q_weight.shape[0]
-    page = k_cache.shape[1]
-    group = num_heads // num_kv_heads
-    check_decode_inputs(qkv, positions, slots, k_cache, num_heads, num_kv_heads, d)
-    if counters.dtype != torch.int32 or counters.numel() < num_seqs * num_kv_heads:
-        raise ValueError(f"counters must be int32 with at least {num_seqs * num_kv_heads}")
-    _check_same_strides(k_cache, v_cache)
-    q = torch.empty(t, num_heads, d, dtype=qkv.dtype, device=qkv.device)
-    out = torch.empty_like(q)
-    part_o = torch.empty(num_seqs, num_heads, splits, d, dtype=torch.float32, device=q.device)
-    part_ml = torch.empty(num_seqs, num_heads, splits, 2, dtype=torch.float32, device=q.device)
-    _decode_split_fused_kernel[(num_seqs, num_kv_heads, splits)](
-        qkv,
-        q_weight,
-        k_weight,
-        cos,
-        sin,
-        positions,
-        slots,
-        eps,
-        q,
-        k_cache,
-        v_cache,
-        part_o,
-        part_ml,
-        counters,
-        out,
-        query_start_loc,
-        seq_lens,
-        block_tables,
-        scale * _LOG2E,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        block_tables.stride(0),
-        out.stride(0),
-        out.stride(1),
-        G=group,
-        HQ=num_heads,
-        HKV=num_kv_heads,
-        ROWS=max(16, triton.next_power_of_2(group)),
-        FUSED_ROWS=triton.next_power_of_2(group + 2),
-        D=d,
-        PAGE=page,
-        BLOCK_N=max(block_n, page),
-        SPLITS=splits,
-        K_ROWS=k_rows,
-        num_warps=num_warps,
-        num_stages=num_stages,
         **pdl_launch(),
     )
     return out

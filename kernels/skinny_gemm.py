@@ -4,10 +4,12 @@ At these shapes a projection reads its weight once and does almost no arithmetic
 is the weight's bytes over the memory bandwidth the launch reaches. cuBLAS picks tiles that
 run 80 to 120 blocks on the H200's 132 multiprocessors for the Higgs shapes (Nsight Compute:
 43-69% of the DRAM bandwidth, docs/PERFORMANCE.md) and a separate split-K reduction launch.
-Here the grid is (output tiles, K splits) sized to fill the GPU, each program streams its
-`[BN, K / SPLIT]` weight slab through a pipelined loop, and the last program of an output tile
-to finish (counted with an atomic) adds the partials in split order, so the result does not
-depend on which program finished last. Tensors in, tensor out; the reference is `F.linear`.
+Here the grid is (output tiles, K splits), each program streams its `[BN, K / SPLIT]` weight
+slab through a pipelined loop, and the last program of an output tile to finish (counted with
+an atomic) adds the partials in split order, so the result does not depend on which program
+finished last. Measured on the H200 it beats cuBLAS at one row (4 projections of a layer:
+67.7 against 73.6 us) and not at 64 rows, so the engine uses it for steps of up to 16 tokens.
+Tensors in, tensor out; the reference is `F.linear`.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from kernels.launch import pdl_enter, pdl_launch
 def _skinny_gemm_kernel(
     x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K, stride_xm, stride_wn, stride_om,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
-    EVEN_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+    EVEN_K: tl.constexpr, IEEE: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     # Grid (N / BN, SPLIT). The tile is transposed (acc[n, m] = W[n, :] . x[m, :]) so that the
     # weight's rows are the tensor-core tile's tall side and the few x rows its narrow one.
@@ -42,11 +44,17 @@ def _skinny_gemm_kernel(
         k = k0 + tl.arange(0, BK)
         if EVEN_K:
             w = tl.load(w_rows + k[None, :], mask=n_ok[:, None], other=0.0)
-            x = tl.load(x_cols + k[:, None], mask=m_ok[None, :], other=0.0)
+            x_ok = m_ok[None, :]
         else:
             k_ok = k < hi
             w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            x = tl.load(x_cols + k[:, None], mask=m_ok[None, :] & k_ok[:, None], other=0.0)
+            x_ok = m_ok[None, :] & k_ok[:, None]
+        x = tl.load(x_cols + k[:, None], mask=x_ok, other=0.0)
+        if GATED:  # x holds [gate | up]: silu(gate) * up, rounded as norm_rope.silu_mul does
+            up = tl.load(x_cols + K + k[:, None], mask=x_ok, other=0.0).to(tl.float32)
+            gate = x.to(tl.float32)
+            act = (gate / (1.0 + tl.exp(-gate))).to(x.dtype).to(tl.float32)
+            x = (act * up).to(x.dtype)
         if IEEE:  # fp32 operands: full-precision products, as F.linear without TF32
             acc = tl.dot(w, x, acc, input_precision="ieee")
         else:
@@ -70,19 +78,18 @@ def _skinny_gemm_kernel(
             tl.store(out_at, total.to(out_ptr.dtype.element_ty), mask=out_ok)
 
 
-NUM_SMS = 132  # the H200's multiprocessors; the split count aims at a few programs per SM
-
-
-def skinny_tiles(m: int, n: int, k: int, num_sms: int = NUM_SMS) -> dict:
-    """Default tile settings for an `[m, k] @ [n, k]^T` product (tuned on the H200,
-    benchmarks/gemm_shapes.py --ours): rows padded to a tensor-core tile, output tiles of
-    64 weight rows, and K split until about two programs per multiprocessor run."""
+def skinny_tiles(m: int, n: int, k: int) -> dict:
+    """Default tile settings for an `[m, k] @ [n, k]^T` product, m <= 16, from the H200 sweep
+    (benchmarks/gemm_shapes.py --ours, docs/PERFORMANCE.md). Wide outputs (96+ tiles of 64
+    weight rows) are not split and stream 256 columns a step; narrow ones with a long K are
+    split about every 1,600 columns (tiles of 128 rows from K = 8,192). These rules give the
+    sweep's best setting at each Higgs projection (qkv, o, gate-up, down, audio head)."""
     bm = max(16, triton.next_power_of_2(m))
-    bn, bk = 64, 128
-    tiles = triton.cdiv(n, bn)
-    chunks = triton.cdiv(k, bk)
-    split = max(1, min(chunks, round(2 * num_sms / tiles)))
-    return dict(block_m=bm, block_n=bn, block_k=bk, split=split, num_warps=4, num_stages=4)
+    if triton.cdiv(n, 64) >= 96:
+        return dict(block_m=bm, block_n=64, block_k=256, split=1, num_warps=4, num_stages=3)
+    split = max(1, min(triton.cdiv(k, 128), round(k / 1600)))
+    bn = 128 if k >= 8192 else 64
+    return dict(block_m=bm, block_n=bn, block_k=128, split=split, num_warps=4, num_stages=4)
 
 
 def skinny_gemm(
@@ -90,6 +97,7 @@ def skinny_gemm(
     weight: torch.Tensor,
     counters: torch.Tensor,
     out: torch.Tensor | None = None,
+    gated: bool = False,
     block_m: int | None = None,
     block_n: int = 64,
     block_k: int = 128,
@@ -99,11 +107,13 @@ def skinny_gemm(
 ) -> torch.Tensor:
     """`x [M, K] @ weight [N, K]^T -> [M, N]` in x's dtype (fp32 accumulation), for M up to
     64. `counters`: int32, at least `ceil(N / block_n)`, all zero; every launch leaves them
-    zero (allocate once, share between launches on one stream and graph replays). Tile knobs
-    as `skinny_tiles`, which gives the defaults the engine uses."""
-    m, k = x.shape
+    zero (allocate once, share between launches on one stream and graph replays). `gated`:
+    x is `[M, 2K]` = [gate | up] and the product is `silu_mul(x) @ weight^T` (the MLP's
+    activation folded into the down projection). Tile knobs as `skinny_tiles`, which gives
+    the defaults the engine uses."""
+    m, k = x.shape[0], weight.shape[1]
     n = weight.shape[0]
-    if weight.shape[1] != k or weight.stride(1) != 1 or x.stride(1) != 1:
+    if x.shape[1] != (2 * k if gated else k) or weight.stride(1) != 1 or x.stride(1) != 1:
         raise ValueError(f"x [M, K], weight [N, K], K contiguous: got {x.shape}, {weight.shape}")
     if m > 64:
         raise ValueError(f"skinny_gemm takes at most 64 rows, got {m}")
@@ -133,6 +143,7 @@ def skinny_gemm(
         SPLIT=split,
         EVEN_K=k % block_k == 0,  # whole chunks: every split's columns lie below K
         IEEE=x.dtype == torch.float32,
+        GATED=gated,
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl_launch(),

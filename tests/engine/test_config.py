@@ -411,14 +411,3 @@ def test_kv_cache_dtype_is_validated():
         EngineConfig(kv_cache_dtype="fp16")
     with pytest.raises(ConfigError, match="triton"):
         EngineConfig(device="cuda", attention_backend="varlen", kv_cache_dtype="fp8")
-
-
-def test_fused_split_decode_needs_fused_decode_attention():
-    assert EngineConfig(fused_split_decode=True).fused_split_decode  # auto backend, fused
-    for bad in (
-        {"fused_decode_attention": False},
-        {"fused_kernels": False},
-        {"attention_backend": "torch"},
-    ):
-        with pytest.raises(ConfigError, match="fused_split_decode"):
-            EngineConfig(fused_split_decode=True, **bad)

@@ -2,9 +2,9 @@
 add+RMSNorm, SiLU-mul) against the plain torch ops, on the CPU under the Triton interpreter:
 a mixed batch (a prefill over two blocks, a short prefill, padding rows pointing into the
 reserved block 0) then a decode step, torch and Triton attention backends, and the decode
-step as one fused launch (`fused_decode_attention`; with its context split 32 ways,
-`fused_split_decode`). On a GPU the same path is covered by
-the CUDA parity and graph tests."""
+step as one fused launch (`fused_decode_attention`), and the projections through the few-row
+GEMM (`skinny_gemm_rows`). On a GPU the same paths are covered by the CUDA parity and graph
+tests."""
 
 from __future__ import annotations
 
@@ -36,15 +36,12 @@ def _run(
     layout: str = "nhd",
     fuse_decode: bool = False,
     kv_dtype=None,
-    fuse_split: bool = False,
     skinny_rows: int = 0,
 ):
     torch.manual_seed(0)
     attention = make_backend(backend)
     if fuse_decode:  # one launch for decode steps, even for these few sequences (no split)
         attention.fuse_decode, attention.split_target = True, 1
-    if fuse_split:  # one launch for decode steps with the context split (32 ways here)
-        attention.fuse_decode, attention.fuse_split = True, True
     model = HiggsModel(CFG, attention, fused)
     for p in model.parameters():
         torch.nn.init.normal_(p, std=0.2)
@@ -93,15 +90,9 @@ def _run(
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 @pytest.mark.parametrize("layout", ["nhd", "hnd"])
 @pytest.mark.parametrize(
-    "backend, fuse_decode, fuse_split",
-    [
-        ("torch", False, False),
-        ("triton", False, False),
-        ("triton", True, False),
-        ("triton", False, True),
-    ],
+    "backend, fuse_decode", [("torch", False), ("triton", False), ("triton", True)]
 )
-def test_fused_ops_equal_torch_ops(backend, layout, fuse_decode, fuse_split, monkeypatch):
+def test_fused_ops_equal_torch_ops(backend, layout, fuse_decode, monkeypatch):
     from engine.attention import TritonAttention
 
     ref_hidden, ref_caches = _run(False, "torch")
@@ -110,9 +101,8 @@ def test_fused_ops_equal_torch_ops(backend, layout, fuse_decode, fuse_split, mon
     monkeypatch.setattr(
         TritonAttention, "decode_fused", lambda self, *a: calls.append(1) or original(self, *a)
     )
-    hidden, caches = _run(True, backend, layout, fuse_decode, fuse_split=fuse_split)
-    fused_step = fuse_decode or fuse_split
-    assert len(calls) == (CFG.num_layers if fused_step else 0)  # the decode step, every layer
+    hidden, caches = _run(True, backend, layout, fuse_decode)
+    assert len(calls) == (CFG.num_layers if fuse_decode else 0)  # the decode step, every layer
     torch.testing.assert_close(hidden, ref_hidden, rtol=1e-5, atol=1e-5)
     for cache, ref in zip(caches, ref_caches, strict=True):
         torch.testing.assert_close(cache[:, 1:], ref[:, 1:], rtol=1e-5, atol=1e-5)
@@ -124,8 +114,9 @@ def test_fused_ops_equal_torch_ops(backend, layout, fuse_decode, fuse_split, mon
 @pytest.mark.parametrize("skinny_rows, launches", [(64, 2 * 4 * 2), (3, 2 * 4)])
 def test_skinny_gemm_projections_equal_torch_ops(skinny_rows, launches, monkeypatch):
     """`skinny_gemm_rows`: the four projections of each layer through kernels/skinny_gemm.py
-    for steps of up to that many tokens (here the 9-token prefill and the 3-token decode
-    step, or only the decode step), the same hidden states and caches as the torch ops."""
+    (the down projection with the MLP's activation folded in) for steps of up to that many
+    tokens (here the 9-token prefill and the 3-token decode step, or only the decode step),
+    the same hidden states and caches as the torch ops."""
     import kernels.skinny_gemm
 
     ref_hidden, ref_caches = _run(False, "torch")
@@ -159,14 +150,3 @@ def test_a_float8_cache_is_lossy_but_close(layout):
     assert caches[0][:, 1:].float().abs().sum() > 0
     err = float((hidden - ref_hidden).norm() / ref_hidden.norm())
     assert 0 < err < 5e-2, err
-
-
-@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # padding rows
-def test_fused_split_decode_refuses_counters_too_few_for_the_step(monkeypatch):
-    """The counters are allocated once and never moved (graphs keep their address): a step
-    needing more than exist is an error, not a silent reallocation."""
-    from engine.attention import TritonAttention
-
-    monkeypatch.setattr(TritonAttention, "_counters", torch.zeros(1, dtype=torch.int32))
-    with pytest.raises(RuntimeError, match="counters needed"):
-        _run(True, "triton", fuse_split=True)

@@ -50,6 +50,27 @@ def test_writes_into_a_given_output_with_a_row_stride():
     assert torch.equal(big[:, 32:], torch.full((4, 16), 7.0, device=DEVICE))
 
 
+# bf16 on a GPU only: the Triton CPU interpreter's bf16 products are wrong
+@pytest.mark.parametrize("dtype", [torch.float32] + [torch.bfloat16] * (DEVICE == "cuda"))
+def test_gated_folds_silu_mul_into_the_loads(dtype):
+    """`gated=True`: x is [gate | up] and the product is silu_mul(x) @ W^T, the activation
+    rounded as kernels/norm_rope.silu_mul rounds it (so in bf16 too the same bits as the two
+    launches with our GEMM)."""
+    from kernels.norm_rope import silu_mul
+
+    gate_up, _ = _operands(5, 1, 2 * 96, dtype, seed=3)
+    _, w = _operands(1, 48, 96, dtype, seed=4)
+    counters = torch.zeros(8, dtype=torch.int32, device=DEVICE)
+    knobs = dict(block_n=16, block_k=32, split=2, num_stages=2)
+    out = skinny_gemm(gate_up, w, counters, gated=True, **knobs)
+    assert torch.equal(out, skinny_gemm(silu_mul(gate_up), w, counters, **knobs))
+    ref = F.linear(F.silu(gate_up[:, :96].float()) * gate_up[:, 96:].float(), w.float())
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
+    with pytest.raises(ValueError, match="K contiguous"):
+        skinny_gemm(gate_up[:, :96], w, counters, gated=True)  # no up half
+
+
 def test_refuses_what_it_cannot_do():
     x, w = _operands(2, 32, 64, torch.float32)
     counters = torch.zeros(1, dtype=torch.int32, device=DEVICE)
@@ -63,13 +84,17 @@ def test_refuses_what_it_cannot_do():
         skinny_gemm(x, w[:, :48], counters)
 
 
-def test_default_tiles_fill_the_gpu():
-    # qkv at one row: 96 tiles of 64 weight rows, K split in 3 -> 288 programs
-    tiles = skinny_tiles(1, 6144, 2560)
-    assert tiles["block_m"] == 16 and tiles["split"] == 3
-    assert skinny_tiles(64, 2560, 9728)["split"] == 7  # down: 40 tiles
-    assert skinny_tiles(33, 19456, 2560)["block_m"] == 64
-    assert skinny_tiles(1, 19456, 2560)["split"] == 1  # gate_up: 304 tiles already
+def test_default_tiles_are_the_h200_sweeps_best():
+    def knobs(n, k):
+        t = skinny_tiles(1, n, k)
+        return t["block_n"], t["block_k"], t["num_stages"], t["split"]
+
+    assert knobs(6144, 2560) == (64, 256, 3, 1)  # qkv
+    assert knobs(2560, 4096) == (64, 128, 4, 3)  # o_proj
+    assert knobs(19456, 2560) == (64, 256, 3, 1)  # gate_up
+    assert knobs(2560, 9728) == (128, 128, 4, 6)  # down
+    assert knobs(8208, 2560) == (64, 256, 3, 1)  # audio head
+    assert skinny_tiles(9, 64, 64)["block_m"] == 16 and skinny_tiles(9, 64, 64)["split"] == 1
 
 
 @pytest.mark.cuda
@@ -88,3 +113,10 @@ def test_higgs_shapes_on_the_gpu(m, n, k):
     for _ in range(3):  # the same bits whichever program finishes last
         assert torch.equal(skinny_gemm(x, w, counters, **skinny_tiles(m, n, k)), out)
     assert int(counters.abs().sum()) == 0
+    if n == 2560 and k == 9728:  # down: the MLP's activation folded in
+        from kernels.norm_rope import silu_mul
+
+        gate_up, _ = _operands(m, 1, 2 * k, torch.bfloat16, seed=m + 1)
+        tiles = skinny_tiles(m, n, k)
+        folded = skinny_gemm(gate_up, w, counters, gated=True, **tiles)
+        assert torch.equal(folded, skinny_gemm(silu_mul(gate_up), w, counters, **tiles))
