@@ -47,6 +47,7 @@ def bench(fn) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="1,32,64,128")
+    ap.add_argument("--shapes", default="", help="comma-separated names (default: all)")
     ap.add_argument(
         "--ours", action="store_true", help="also our split-K GEMM (kernels/skinny_gemm.py)"
     )
@@ -58,6 +59,8 @@ def main() -> None:
     args = ap.parse_args()
     rows, ours = [], []
     for name, (n, k) in SHAPES.items():
+        if args.shapes and name not in args.shapes.split(","):
+            continue
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(COPIES)]
         wts = [w.t().contiguous() for w in ws]  # [K, N]: the same product as an NN GEMM
         for m in (int(b) for b in args.batches.split(",")):
@@ -103,6 +106,11 @@ SWEEP = [  # (block_n, block_k, num_stages, num_warps)
     (128, 64, 6, 4),
     (32, 256, 4, 4),
     (64, 128, 6, 8),
+    (64, 512, 2, 4),
+    (64, 256, 4, 4),
+    (128, 256, 2, 8),
+    (32, 512, 3, 4),
+    (128, 128, 5, 8),
 ]
 
 

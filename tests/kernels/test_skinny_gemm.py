@@ -95,6 +95,10 @@ def test_default_tiles_are_the_h200_sweeps_best():
     assert knobs(2560, 9728) == (128, 128, 4, 6)  # down
     assert knobs(8208, 2560) == (64, 256, 3, 1)  # audio head
     assert skinny_tiles(9, 64, 64)["block_m"] == 16 and skinny_tiles(9, 64, 64)["split"] == 1
+    # 64 rows: down's four stages of [128 + 64, 128] tiles would need 240 KB of shared memory
+    # on the H200 (227 KB there): three
+    assert skinny_tiles(64, 2560, 9728)["num_stages"] == 3
+    assert skinny_tiles(64, 6144, 2560)["num_stages"] == 3  # 208 KB: fits
 
 
 @pytest.mark.cuda
