@@ -8,7 +8,7 @@ Here the grid is (output tiles, K splits), each program streams its `[BN, K / SP
 slab through a pipelined loop, and the last program of an output tile to finish (counted with
 an atomic) adds the partials in split order, so the result does not depend on which program
 finished last. Measured on the H200 it beats cuBLAS at one row (4 projections of a layer:
-65.8 against 72.6 us) and not at 64 rows, so the engine uses it for steps of up to 16 tokens.
+67.7 against 73.6 us) and not at 64 rows, so the engine uses it for steps of up to 16 tokens.
 Tensors in, tensor out; the reference is `F.linear`.
 """
 
@@ -79,18 +79,18 @@ def _skinny_gemm_kernel(
 
 
 def skinny_tiles(m: int, n: int, k: int) -> dict:
-    """Default tile settings for an `[m, k] @ [n, k]^T` product, from the H200 sweeps at 1
-    and 16 rows (benchmarks/gemm_shapes.py --ours, docs/PERFORMANCE.md): tiles of 64 weight
-    rows streaming 256 columns a step through four stages; outputs too narrow to fill the GPU
-    (fewer than 96 tiles) split K three ways, with 128-column steps where a split is shorter
-    than 2,048 columns. These rules give the sweeps' best setting at each Higgs projection
-    (qkv, o, gate-up, down). Taller x tiles (more than 16 rows) drop stages to fit the
-    shared memory."""
+    """Default tile settings for an `[m, k] @ [n, k]^T` product, from the H200 sweep at one
+    row (benchmarks/gemm_shapes.py --ours, docs/PERFORMANCE.md). Wide outputs (96+ tiles of
+    64 weight rows) are not split and stream 256 columns a step; narrow ones with a long K
+    are split about every 1,600 columns (tiles of 128 rows from K = 8,192). These rules give
+    the sweep's best setting at each Higgs projection (qkv, o, gate-up, down, audio head).
+    Taller x tiles (more than 16 rows) drop pipeline stages to fit the shared memory."""
     bm = max(16, triton.next_power_of_2(m))
-    bn, bk, split, stages = 64, 256, 1, 4
-    if triton.cdiv(n, bn) < 96:
-        split = min(3, triton.cdiv(k, 128))
-        bk = 256 if k >= 3 * 2048 else 128
+    if triton.cdiv(n, 64) >= 96:
+        bn, bk, split, stages = 64, 256, 1, 3
+    else:
+        bn, bk, stages = (128 if k >= 8192 else 64), 128, 4
+        split = max(1, min(triton.cdiv(k, 128), round(k / 1600)))
     # each stage holds a weight and an x tile; the epilogue an fp32 [bn, bm] tile
     while stages > 2 and stages * (bn + bm) * bk * 2 + bn * bm * 4 > 220 * 1024:
         stages -= 1
