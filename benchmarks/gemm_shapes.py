@@ -99,18 +99,19 @@ def main() -> None:
             )
 
 
-SWEEP = [  # (block_n, block_k, num_stages, num_warps)
-    (64, 128, 4, 4),
-    (64, 256, 3, 4),
-    (128, 128, 4, 4),
-    (128, 64, 6, 4),
-    (32, 256, 4, 4),
-    (64, 128, 6, 8),
-    (64, 512, 2, 4),
-    (64, 256, 4, 4),
-    (128, 256, 2, 8),
-    (32, 512, 3, 4),
-    (128, 128, 5, 8),
+SWEEP = [  # (block_n, block_k, num_stages, num_warps, tma)
+    (64, 128, 4, 4, False),
+    (64, 256, 3, 4, False),
+    (128, 128, 4, 4, False),
+    (128, 64, 6, 4, False),
+    (32, 256, 4, 4, False),
+    (64, 128, 6, 8, False),
+    (64, 256, 4, 4, False),
+    (64, 128, 4, 4, True),  # tiles fetched by the copy engine (TMA descriptors)
+    (128, 128, 4, 4, True),
+    (128, 64, 6, 4, True),
+    (64, 64, 8, 4, True),
+    (128, 128, 3, 8, True),
 ]
 
 
@@ -132,11 +133,12 @@ def _ours(x, ws) -> tuple[float, float, str]:
 
     default = skinny_tiles(m, n, k)
     results = []
-    for bn, bk, stages, warps in SWEEP:
+    for bn, bk, stages, warps, tma in SWEEP:
         auto = skinny_tiles(m, n, k)["split"] * 64 // bn  # the same programs per SM
         for split in sorted({max(1, auto // 2), max(1, auto), 2 * max(1, auto)}):
             kw = dict(block_n=bn, block_k=bk, split=split, num_stages=stages, num_warps=warps)
-            label = f"BN={bn} BK={bk} s={stages} w={warps} split={split}"
+            kw["tma"] = tma
+            label = f"BN={bn} BK={bk} s={stages} w={warps} split={split}" + " tma" * tma
             try:
                 results.append((timed(kw), label))
             except Exception as err:  # a setting that does not fit (shared memory): skipped

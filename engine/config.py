@@ -185,6 +185,9 @@ class EngineConfig:
     # fused kernels on a GPU (faster than cuBLAS there on the H200; at 64 rows it is not),
     # else 0. A positive value needs fused kernels on a GPU.
     skinny_gemm_rows: int | None = None
+    # The few-row GEMM fetches its tiles with the copy engine (TMA tensor descriptors,
+    # Hopper) instead of per-thread loads. CPU-tested; not yet timed on the H200, so off.
+    skinny_gemm_tma: bool = False
     cuda_graphs: bool = True  # FULL backbone graphs (CUDA with the Triton backend); False: eager
     # The host schedules and launches step N+1 before it reads step N's rows (one step in
     # flight); False: each step's rows are read before the next step is scheduled.

@@ -84,7 +84,7 @@ class Engine:
         if skinny_rows:
             if not fused:
                 raise ConfigError("skinny_gemm_rows needs fused kernels on a CUDA device")
-            self.model.use_skinny_gemm(skinny_rows)
+            self.model.use_skinny_gemm(skinny_rows, tma=config.skinny_gemm_tma)
         if config.max_model_len > self.model.config.max_position_embeddings:
             raise ConfigError(
                 f"max_model_len {config.max_model_len} exceeds the model's "

@@ -135,9 +135,10 @@ class SkinnyGemmOps(TritonOps):
     (kernels/skinny_gemm.py) instead of cuBLAS. The row count of a step is fixed per captured
     graph, so the choice is made once per shape."""
 
-    def __init__(self, max_rows: int, counters: torch.Tensor):
+    def __init__(self, max_rows: int, counters: torch.Tensor, tma: bool = False):
         self.max_rows = max_rows
         self.counters = counters  # int32 zeros, shared by every launch (each leaves them zero)
+        self.tma = tma  # tiles through tensor descriptors (kernels/skinny_gemm.py)
 
     def linear(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > self.max_rows:
@@ -145,7 +146,8 @@ class SkinnyGemmOps(TritonOps):
         from kernels.skinny_gemm import skinny_gemm, skinny_tiles
 
         n, k = layer.weight.shape
-        return skinny_gemm(x, layer.weight, self.counters, **skinny_tiles(x.shape[0], n, k))
+        tiles = skinny_tiles(x.shape[0], n, k)
+        return skinny_gemm(x, layer.weight, self.counters, tma=self.tma, **tiles)
 
     def gated_linear(self, layer: nn.Linear, gate_up: torch.Tensor) -> torch.Tensor:
         """The activation folded into the down projection's loads: one launch, not two."""
@@ -155,7 +157,7 @@ class SkinnyGemmOps(TritonOps):
 
         n, k = layer.weight.shape
         tiles = skinny_tiles(gate_up.shape[0], n, k)
-        return skinny_gemm(gate_up, layer.weight, self.counters, gated=True, **tiles)
+        return skinny_gemm(gate_up, layer.weight, self.counters, gated=True, tma=self.tma, **tiles)
 
 
 def _pdl_scope(enabled: bool):
@@ -247,14 +249,14 @@ class HiggsModel(nn.Module):
         self.register_buffer("codebook_offsets", offsets, persistent=False)  # [8]
         self.pdl = False  # Triton launches use programmatic dependent launch (EngineConfig.pdl)
 
-    def use_skinny_gemm(self, max_rows: int) -> None:
+    def use_skinny_gemm(self, max_rows: int, tma: bool = False) -> None:
         """Projections of up to `max_rows` rows through kernels/skinny_gemm.py
-        (EngineConfig.skinny_gemm_rows); needs the fused ops on a GPU."""
+        (EngineConfig.skinny_gemm_rows, skinny_gemm_tma); needs the fused ops."""
         if self.ops is TorchOps:
             raise ValueError("the few-row GEMM needs the fused (Triton) ops")
         device = self.embed_tokens.weight.device
         counters = torch.zeros(4096, dtype=torch.int32, device=device)
-        self.ops = SkinnyGemmOps(max_rows, counters)
+        self.ops = SkinnyGemmOps(max_rows, counters, tma)
 
     def embed_audio(self, rows: torch.Tensor) -> torch.Tensor:
         """Summed audio embedding of rows `[N, 8]`, accumulated in fp32 and rounded once."""

@@ -22,13 +22,31 @@ from kernels.launch import pdl_enter, pdl_launch
 
 
 @triton.jit
+def _silu_mul(gate, up):
+    """silu(gate) * up in x's dtype, rounded where norm_rope.silu_mul rounds."""
+    act = (gate.to(tl.float32) / (1.0 + tl.exp(-gate.to(tl.float32)))).to(gate.dtype)
+    return (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
+
+
+@triton.jit
+def _dot(w, x, acc, IEEE: tl.constexpr):
+    if IEEE:  # fp32 operands: full-precision products, as F.linear without TF32
+        return tl.dot(w, x, acc, input_precision="ieee")
+    return tl.dot(w, x, acc)
+
+
+@triton.jit
 def _skinny_gemm_kernel(
-    x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
-    EVEN_K: tl.constexpr, IEEE: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr,
+    x_ptr, up_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K, stride_xm, stride_wn,
+    stride_om, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
+    EVEN_K: tl.constexpr, IEEE: tl.constexpr, GATED: tl.constexpr, TMA: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     # Grid (N / BN, SPLIT). The tile is transposed (acc[n, m] = W[n, :] . x[m, :]) so that the
     # weight's rows are the tensor-core tile's tall side and the few x rows its narrow one.
+    # With TMA, x_ptr / up_ptr / w_ptr are tensor descriptors (x and up `[M, K]`, blocks
+    # `[BM, BK]`; w `[N, K]`, blocks `[BN, BK]`): the copy engine fetches whole tiles, rows
+    # and columns past the ends read as zeros.
     pdl_enter(PDL)
     tile, split = tl.program_id(0), tl.program_id(1)
     n = tile * BN + tl.arange(0, BN)
@@ -37,28 +55,30 @@ def _skinny_gemm_kernel(
     per = tl.cdiv(tl.cdiv(K, BK), SPLIT) * BK  # K columns per split, whole BK chunks
     lo = split * per
     hi = tl.minimum(K, lo + per)
-    w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
-    x_cols = x_ptr + m[None, :] * stride_xm
     acc = tl.zeros([BN, BM], tl.float32)
-    for k0 in range(lo, hi, BK):
-        k = k0 + tl.arange(0, BK)
-        if EVEN_K:
-            w = tl.load(w_rows + k[None, :], mask=n_ok[:, None], other=0.0)
-            x_ok = m_ok[None, :]
-        else:
-            k_ok = k < hi
-            w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            x_ok = m_ok[None, :] & k_ok[:, None]
-        x = tl.load(x_cols + k[:, None], mask=x_ok, other=0.0)
-        if GATED:  # x holds [gate | up]: silu(gate) * up, rounded as norm_rope.silu_mul does
-            up = tl.load(x_cols + K + k[:, None], mask=x_ok, other=0.0).to(tl.float32)
-            gate = x.to(tl.float32)
-            act = (gate / (1.0 + tl.exp(-gate))).to(x.dtype).to(tl.float32)
-            x = (act * up).to(x.dtype)
-        if IEEE:  # fp32 operands: full-precision products, as F.linear without TF32
-            acc = tl.dot(w, x, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(w, x, acc)
+    if TMA:
+        for k0 in range(lo, hi, BK):
+            w = w_ptr.load([tile * BN, k0])
+            x = x_ptr.load([0, k0])
+            if GATED:  # x holds [gate | up]
+                x = _silu_mul(x, up_ptr.load([0, k0]))
+            acc = _dot(w, tl.trans(x), acc, IEEE)
+    else:
+        w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
+        x_cols = x_ptr + m[None, :] * stride_xm
+        for k0 in range(lo, hi, BK):
+            k = k0 + tl.arange(0, BK)
+            if EVEN_K:
+                w = tl.load(w_rows + k[None, :], mask=n_ok[:, None], other=0.0)
+                x_ok = m_ok[None, :]
+            else:
+                k_ok = k < hi
+                w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                x_ok = m_ok[None, :] & k_ok[:, None]
+            x = tl.load(x_cols + k[:, None], mask=x_ok, other=0.0)
+            if GATED:  # x holds [gate | up]
+                x = _silu_mul(x, tl.load(x_cols + K + k[:, None], mask=x_ok, other=0.0))
+            acc = _dot(w, x, acc, IEEE)
     out_at = out_ptr + m[None, :] * stride_om + n[:, None]
     out_ok = n_ok[:, None] & m_ok[None, :]
     if SPLIT == 1:
@@ -109,13 +129,16 @@ def skinny_gemm(
     split: int = 1,
     num_warps: int = 4,
     num_stages: int = 4,
+    tma: bool = False,
 ) -> torch.Tensor:
     """`x [M, K] @ weight [N, K]^T -> [M, N]` in x's dtype (fp32 accumulation), for M up to
     64. `counters`: int32, at least `ceil(N / block_n)`, all zero; every launch leaves them
     zero (allocate once, share between launches on one stream and graph replays). `gated`:
     x is `[M, 2K]` = [gate | up] and the product is `silu_mul(x) @ weight^T` (the MLP's
     activation folded into the down projection). Tile knobs as `skinny_tiles`, which gives
-    the defaults the engine uses."""
+    the defaults the engine uses; `tma`: tiles fetched by the copy engine (Hopper tensor
+    memory access, through tensor descriptors; needs 16-byte aligned rows) instead of
+    per-thread loads."""
     m, k = x.shape[0], weight.shape[1]
     n = weight.shape[0]
     if x.shape[1] != (2 * k if gated else k) or weight.stride(1) != 1 or x.stride(1) != 1:
@@ -130,9 +153,19 @@ def skinny_gemm(
     parts = out  # unused without a split
     if split > 1:
         parts = torch.empty(split, block_m, n, dtype=torch.float32, device=x.device)
+    x_arg, up_arg, w_arg = x, x, weight
+    if tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        if (x.stride(0) * x.element_size()) % 16 or (k * x.element_size()) % 16:
+            raise ValueError("tma needs rows (and for gated, the up half) 16-byte aligned")
+        x_arg = TensorDescriptor.from_tensor(x[:, :k], [block_m, block_k])
+        up_arg = TensorDescriptor.from_tensor(x[:, k:], [block_m, block_k]) if gated else x_arg
+        w_arg = TensorDescriptor.from_tensor(weight, [block_n, block_k])
     _skinny_gemm_kernel[(tiles, split)](
-        x,
-        weight,
+        x_arg,
+        up_arg,
+        w_arg,
         out,
         parts,
         counters,
@@ -149,6 +182,7 @@ def skinny_gemm(
         EVEN_K=k % block_k == 0,  # whole chunks: every split's columns lie below K
         IEEE=x.dtype == torch.float32,
         GATED=gated,
+        TMA=tma,
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl_launch(),
