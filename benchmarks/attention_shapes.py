@@ -138,6 +138,13 @@ def main() -> None:
             lambda a=args, m=max_q: paged_attention(*a, 128**-0.5, m, heads_first=True),
             return_mode="median",
         )
+        # page ids read one tile ahead (EngineConfig.attention_prefetch_pages)
+        out = paged_attention(*args, 128**-0.5, max_q, prefetch_pages=True)
+        assert float((out.float() - ref).norm() / ref.norm()) <= 1e-2, name
+        prefetch = triton.testing.do_bench(
+            lambda a=args, m=max_q: paged_attention(*a, 128**-0.5, m, prefetch_pages=True),
+            return_mode="median",
+        )
         # what the one-pass kernel launched before its knobs were passed through: one page
         # (16 keys) per tile, Triton's default 4 warps and 3 stages
         old = triton.testing.do_bench(
@@ -149,11 +156,19 @@ def main() -> None:
         floor_us = kv_bytes / 4.13e12 * 1e6
         best = results[0] if results else (float("nan"), "-")
         print(f"{name}: top 8 {results[:8]}")
-        rows.append((name, old * 1e3, default * 1e3, hnd * 1e3, heads_first * 1e3, *best, floor_us))
-    head = ("case", "BN=16 us", "default us", "hnd us", "hf us", "best us", "best config")
-    print("\n{:<19}{:>9}{:>11}{:>8}{:>7}{:>9}  {:<39}{:>9}".format(*head, "floor us"))
-    for name, o, d, h, hf, b, cfg, fl in rows:
-        print(f"{name:<19}{o:>9.1f}{d:>11.1f}{h:>8.1f}{hf:>7.1f}{b:>9.1f}  {cfg:<39}{fl:>9.1f}")
+        times = (old, default, hnd, heads_first, prefetch)
+        rows.append((name, *(t * 1e3 for t in times), *best, floor_us))
+    head = ("case", "BN=16 us", "default us", "hnd us", "hf us", "pf us", "best us")
+    print(
+        "\n{:<19}{:>9}{:>11}{:>8}{:>7}{:>7}{:>9}  {:<39}{:>9}".format(
+            *head, "best config", "floor us"
+        )
+    )
+    for name, o, d, h, hf, pf, b, cfg, fl in rows:
+        print(
+            f"{name:<19}{o:>9.1f}{d:>11.1f}{h:>8.1f}{hf:>7.1f}{pf:>7.1f}{b:>9.1f}"
+            f"  {cfg:<39}{fl:>9.1f}"
+        )
     fused_table(wanted)
 
 
@@ -163,18 +178,19 @@ def fused_table(wanted):
     from engine.model import RotaryEmbedding
 
     print(
-        "\ncase                two launches us  fused us  (q/k-norm + RoPE + K/V store + attention)"
+        "\ncase                two launches us  fused us  fused+pf us  (q/k-norm + RoPE + K/V "
+        "store + attention; pf: page ids a tile ahead)"
     )
     rope = RotaryEmbedding(128, 1e6, 4096).to("cuda")
     for name, (q_lens, ctx, _) in CASES.items():
         decode = max(q_lens) == 1 and decode_splits(len(q_lens), 8) == 1
         if decode and (not wanted or name.replace(" ", "_") in wanted):
-            two, one = _fused_case(q_lens, ctx, rope)
-            print(f"{name:<19}{two:>16.1f}{one:>10.1f}")
+            two, one, one_pf = _fused_case(q_lens, ctx, rope)
+            print(f"{name:<19}{two:>16.1f}{one:>10.1f}{one_pf:>13.1f}")
 
 
-def _fused_case(q_lens, ctx, rope) -> tuple[float, float]:
-    """(two launches us, fused us) for one decode case."""
+def _fused_case(q_lens, ctx, rope) -> tuple[float, float, float]:
+    """(two launches us, fused us, fused with page prefetch us) for one decode case."""
     (_, k, v, qsl, lens, tables), _ = make(q_lens, ctx)
     page = k.shape[1]
     positions = torch.tensor(ctx, device="cuda")
@@ -190,15 +206,17 @@ def _fused_case(q_lens, ctx, rope) -> tuple[float, float]:
         q = qk_norm_rope_store(qkv, *norm, cache, slots)
         return paged_attention(q, cache[0], cache[1], *index, 128**-0.5, 1)
 
-    def one():
+    def one(prefetch=False):
         return paged_decode_attention_fused(
-            qkv, *norm, cache[0], cache[1], slots, *index, 128**-0.5
+            qkv, *norm, cache[0], cache[1], slots, *index, 128**-0.5, prefetch_pages=prefetch
         )
 
-    err = float((one().float() - two().float()).norm() / two().float().norm())
-    assert err <= 1e-2, err
+    for fn in (one, lambda: one(True)):
+        err = float((fn().float() - two().float()).norm() / two().float().norm())
+        assert err <= 1e-2, err
     t2 = triton.testing.do_bench(two, return_mode="median") * 1e3
-    return t2, triton.testing.do_bench(one, return_mode="median") * 1e3
+    t1 = triton.testing.do_bench(one, return_mode="median") * 1e3
+    return t2, t1, triton.testing.do_bench(lambda: one(True), return_mode="median") * 1e3
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """The decode step's biggest kernels, each launched once inside a profiler range, for Nsight
 Compute (hardware counters: DRAM throughput, occupancy, warp stall reasons): the fused
 one-pass decode attention at 64 x 400 (the engine's batch-64 launch), the same kernel
-without its prologue, and cuBLAS for the four layer GEMMs at 1 and 64 rows. Warm-up runs
-outside the range, so only the listed launches are profiled.
+without its prologue and with its page ids read a tile ahead, and cuBLAS for the four layer
+GEMMs at 1 and 64 rows. Warm-up runs outside the range, so only the listed launches are
+profiled.
 
     ncu --clock-control none --profile-from-start off --section SpeedOfLight ... \
         python3 benchmarks/ncu_targets.py
@@ -50,6 +51,12 @@ def main() -> None:
             lambda: paged_decode_attention_fused(qkv, *norm, k, v, slots, *index, 128**-0.5),
         ),
         ("attention only", lambda: paged_attention(q, k, v, *index, 128**-0.5, 1)),
+        (
+            "fused decode, page ids a tile ahead",
+            lambda: paged_decode_attention_fused(
+                qkv, *norm, k, v, slots, *index, 128**-0.5, prefetch_pages=True
+            ),
+        ),
     ]
     for name, (n, kk) in GEMMS.items():
         w = torch.randn(n, kk, device="cuda", dtype=torch.bfloat16) * 0.02

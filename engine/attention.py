@@ -183,6 +183,8 @@ class TritonAttention(_StoreThenAttend):
 
         return decode_splits(meta.num_seqs, kv_cache.shape[3], self.split_target)
 
+    prefetch_pages = False  # EngineConfig.attention_prefetch_pages (the one-pass kernel)
+
     def fuses_decode(self, meta, kv_cache) -> bool:
         """Decode-only steps that run the one-pass kernel (enough sequences not to split)."""
         if not self.fuse_decode or meta.max_query_len != 1:
@@ -197,7 +199,10 @@ class TritonAttention(_StoreThenAttend):
         slots = meta.slot_mapping[: meta.num_tokens]
         cache = (kv_cache[0], kv_cache[1], slots)
         index = (meta.query_start_loc, meta.seq_lens, meta.block_tables)
-        return paged_decode_attention_fused(*norm_args, *cache, *index, scale)
+        prefetch = self.prefetch_pages
+        return paged_decode_attention_fused(
+            *norm_args, *cache, *index, scale, prefetch_pages=prefetch
+        )
 
     def attend(self, q, kv_cache, meta, scale):
         from kernels.paged_attention import paged_attention
@@ -225,6 +230,7 @@ class TritonAttention(_StoreThenAttend):
             meta.block_tables,
             scale,
             meta.max_query_len,
+            prefetch_pages=self.prefetch_pages,
         )
 
 

@@ -176,6 +176,10 @@ class EngineConfig:
     # faster a step at batch 64). None: on wherever it applies; True: required (a
     # configuration error where it cannot apply); False: two launches.
     fused_decode_attention: bool | None = None
+    # The one-pass attention kernel reads each KV tile's page ids one iteration ahead, so the
+    # K/V loads do not wait on a load of their own iteration (Nsight Compute: the batch-64
+    # decode launch is one wave, stalled on loads). CPU-tested; not yet timed, so off.
+    attention_prefetch_pages: bool = False
     # Triton launches of the forward use programmatic dependent launch (kernels/launch.py):
     # each may start while the previous kernel finishes. None: on with fused kernels on a GPU
     # of compute capability 9.0 or later; True: required (an error where it cannot apply).

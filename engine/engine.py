@@ -76,6 +76,7 @@ class Engine:
         fused = device.type == "cuda" and config.fused_kernels
         attention = make_backend(backend)
         attention.fuse_decode = config.fused_decode_attention is not False  # where it applies
+        attention.prefetch_pages = config.attention_prefetch_pages
         self.model, self.codec_keys = load_model(checkpoint, attention, device, dtype, fused)
         self.model.pdl = _resolve_pdl(config.pdl, fused, device)
         skinny_rows = config.skinny_gemm_rows

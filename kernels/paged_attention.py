@@ -89,6 +89,7 @@ def _paged_attention_kernel(
     HQ: tl.constexpr,
     HKV: tl.constexpr,
     FUSED_ROWS: tl.constexpr,
+    PREFETCH: tl.constexpr,  # page ids read one tile ahead (see the loop)
     PDL: tl.constexpr,
 ):
     pdl_enter(PDL)
@@ -153,11 +154,22 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M * G], tl.float32)
     acc = tl.zeros([BLOCK_M * G, D], tl.float32)
     kv_end = tl.minimum(seq_len, first_pos + (mblock + 1) * BLOCK_M)  # causal horizon of the tile
+    pages = bt_ptr + seq * stride_bt
+    if PREFETCH:  # the first tile's page ids before the loop, each next tile's inside it
+        n = tl.arange(0, BLOCK_N)
+        page = tl.load(pages + n // PAGE, mask=n < kv_end, other=0)
     for start in range(0, kv_end, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_ok = n < kv_end
-        page = tl.load(bt_ptr + seq * stride_bt + n // PAGE, mask=n_ok, other=0)
-        offs = page.to(tl.int64) * stride_kb + (n % PAGE) * stride_ks + kv_head * stride_kh
+        if PREFETCH:
+            # this tile's page ids came with the previous iteration: the K/V addresses do not
+            # wait on a load of this iteration, so the loads can be issued (and pipelined) early
+            offs = page.to(tl.int64) * stride_kb + (n % PAGE) * stride_ks + kv_head * stride_kh
+            n_next = n + BLOCK_N
+            page = tl.load(pages + n_next // PAGE, mask=n_next < kv_end, other=0)
+        else:
+            page = tl.load(pages + n // PAGE, mask=n_ok, other=0)
+            offs = page.to(tl.int64) * stride_kb + (n % PAGE) * stride_ks + kv_head * stride_kh
         k = _load_k(k_ptr, offs, d, n_ok, K_ROWS).to(q.dtype)  # a float8 cache: widened
         s = tl.dot(q, k) * qk_scale
         s = tl.where((n[None, :] <= q_pos[:, None]) & n_ok[None, :], s, float("-inf"))
@@ -220,13 +232,15 @@ def paged_attention(
     num_stages: int = 3,
     k_rows: bool = True,
     heads_first: bool = False,
+    prefetch_pages: bool = False,
 ) -> torch.Tensor:
     """Attention of every query row over its sequence's paged K/V; returns `[T, Hq, D]`.
-    block_n / num_warps / num_stages / k_rows / heads_first (grid order) are tuning knobs
+    block_n / num_warps / num_stages / k_rows / heads_first (grid order) / prefetch_pages
+    (each tile's page ids read one iteration ahead) are tuning knobs
     (benchmarks/attention_shapes.py); block_n is rounded up to a whole page. A mixed batch is
     one launch: decode rows take a tall tile too (splitting them into a second launch of
     small tiles was slower on the H200; docs/PERFORMANCE.md)."""
-    knobs = (block_n, num_warps, num_stages, k_rows, heads_first)
+    knobs = (block_n, num_warps, num_stages, k_rows, heads_first, prefetch_pages)
     args = (q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale)
     return _launch(*args, max_query_len, out, None, knobs)
 
@@ -254,6 +268,7 @@ def paged_decode_attention_fused(
     num_stages: int = 3,
     k_rows: bool = True,
     heads_first: bool = False,
+    prefetch_pages: bool = False,
 ) -> torch.Tensor:
     """Decode rows only (every sequence has 0 or 1 query token; more is an error the kernel
     asserts in debug builds): `qk_norm_rope_store` (kernels/norm_rope.py: q/k RMSNorm + RoPE
@@ -267,7 +282,7 @@ def paged_decode_attention_fused(
     q = torch.empty(t, num_heads, d, dtype=qkv.dtype, device=qkv.device)
     fused = (qkv, q_weight, k_weight, cos, sin, positions, slots, eps)
     args = (q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale)
-    knobs = (block_n, num_warps, num_stages, k_rows, heads_first)
+    knobs = (block_n, num_warps, num_stages, k_rows, heads_first, prefetch_pages)
     return _launch(*args, 1, out, fused, knobs)
 
 
@@ -293,7 +308,7 @@ def _launch(
         out = torch.empty_like(q)
     block_m = query_block_size(max_query_len, group)
     mblocks = triton.cdiv(max(max_query_len, 1), block_m)
-    block_n, num_warps, num_stages, k_rows, heads_first = knobs
+    block_n, num_warps, num_stages, k_rows, heads_first, prefetch = knobs
     grid = (hkv, mblocks, num_seqs) if heads_first else (num_seqs, mblocks, hkv)
     # the fused prologue's inputs; unused (any tensor) without it
     qkv, qw, kw, cos, sin, positions, slots, eps = fused or (q,) * 7 + (0.0,)
@@ -333,6 +348,7 @@ def _launch(
         HQ=hq,
         HKV=hkv,
         FUSED_ROWS=triton.next_power_of_2(group + 2),
+        PREFETCH=prefetch,
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl_launch(),

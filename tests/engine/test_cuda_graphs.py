@@ -302,6 +302,23 @@ def test_skinny_gemm_graphs_equal_eager(tiny_ckpt, dtype, tma):
 
 
 @pytest.mark.cuda
+def test_attention_prefetch_pages_gives_the_same_rows(tiny_ckpt):
+    """`attention_prefetch_pages`: the one-pass kernel reads page ids a tile ahead; the same
+    arithmetic in the same order, so the seeded rows equal those without it, graphed and
+    eager."""
+    base = dict(device="cuda", dtype="bfloat16", max_num_seqs=8, num_kv_blocks=512)
+    texts = [f"prefetched pages {i}" for i in range(6)]
+    params = [SamplingParams(seed=70 + i, max_rows=30 + 3 * i) for i in range(6)]
+    rows = {}
+    for prefetch in (False, True):
+        for graphs in (True, False):
+            config = EngineConfig(attention_prefetch_pages=prefetch, cuda_graphs=graphs, **base)
+            engine = Engine.from_pretrained(tiny_ckpt, config)
+            rows[prefetch, graphs] = [r.rows for r in engine.generate(texts, params=params)]
+    assert rows[True, True] == rows[False, True] and rows[True, False] == rows[False, False]
+
+
+@pytest.mark.cuda
 def test_fp8_kv_cache_graphs_equal_eager_and_double_the_blocks(tiny_ckpt):
     """`kv_cache_dtype="fp8"`: float8 caches, twice the blocks in the same memory, and the
     graphed engine samples the eager engine's rows (same kernels, same rounding)."""

@@ -38,9 +38,11 @@ def _run(
     kv_dtype=None,
     skinny_rows: int = 0,
     skinny_tma: bool = False,
+    prefetch: bool = False,
 ):
     torch.manual_seed(0)
     attention = make_backend(backend)
+    attention.prefetch_pages = prefetch  # the one-pass kernel reads page ids a tile ahead
     if fuse_decode:  # one launch for decode steps, even for these few sequences (no split)
         attention.fuse_decode, attention.split_target = True, 1
     model = HiggsModel(CFG, attention, fused)
@@ -91,9 +93,15 @@ def _run(
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 @pytest.mark.parametrize("layout", ["nhd", "hnd"])
 @pytest.mark.parametrize(
-    "backend, fuse_decode", [("torch", False), ("triton", False), ("triton", True)]
+    "backend, fuse_decode, prefetch",
+    [
+        ("torch", False, False),
+        ("triton", False, False),
+        ("triton", True, False),
+        ("triton", True, True),
+    ],
 )
-def test_fused_ops_equal_torch_ops(backend, layout, fuse_decode, monkeypatch):
+def test_fused_ops_equal_torch_ops(backend, layout, fuse_decode, prefetch, monkeypatch):
     from engine.attention import TritonAttention
 
     ref_hidden, ref_caches = _run(False, "torch")
@@ -102,7 +110,7 @@ def test_fused_ops_equal_torch_ops(backend, layout, fuse_decode, monkeypatch):
     monkeypatch.setattr(
         TritonAttention, "decode_fused", lambda self, *a: calls.append(1) or original(self, *a)
     )
-    hidden, caches = _run(True, backend, layout, fuse_decode)
+    hidden, caches = _run(True, backend, layout, fuse_decode, prefetch=prefetch)
     assert len(calls) == (CFG.num_layers if fuse_decode else 0)  # the decode step, every layer
     torch.testing.assert_close(hidden, ref_hidden, rtol=1e-5, atol=1e-5)
     for cache, ref in zip(caches, ref_caches, strict=True):

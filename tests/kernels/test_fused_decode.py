@@ -66,9 +66,12 @@ if DEVICE == "cuda":
 
 @pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else []))
 @pytest.mark.parametrize("shape, ctx, padding", CASES)
-@pytest.mark.parametrize("heads_first, layout", [(False, "nhd"), (True, "nhd"), (False, "hnd")])
+@pytest.mark.parametrize(
+    "heads_first, layout, prefetch",
+    [(False, "nhd", False), (True, "nhd", False), (False, "hnd", False), (False, "nhd", True)],
+)
 def test_fused_decode_equals_norm_rope_store_then_attention(
-    dtype, shape, ctx, padding, heads_first, layout
+    dtype, shape, ctx, padding, heads_first, layout, prefetch
 ):
     hq, hkv, d, page = shape
     qkv, cache, positions, slots, meta, real = _decode_batch(
@@ -86,7 +89,7 @@ def test_fused_decode_equals_norm_rope_store_then_attention(
     out = torch.full((qkv.shape[0], hq, d), float("nan"), dtype=dtype, device=DEVICE)
     paged_decode_attention_fused(
         qkv, *norm, ours_cache[0], ours_cache[1], slots, *meta, scale, out=out,
-        heads_first=heads_first,
+        heads_first=heads_first, prefetch_pages=prefetch,
     )  # fmt: skip
     if DEVICE == "cpu":  # the interpreter reduces both kernels' RMSNorm sums alike
         assert torch.equal(ours_cache, expected_cache)  # K/V where the two launches write them

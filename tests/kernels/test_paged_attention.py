@@ -169,13 +169,21 @@ def test_split_kv_higgs_shape_bf16(q_lens_ctx):
 
 
 @pytest.mark.parametrize(
-    "block_n, k_rows, heads_first",
-    [(16, 0, 0), (64, 0, 0), (32, 1, 0), (64, 1, 1), (16, 0, 1)],
+    "block_n, k_rows, heads_first, prefetch",
+    [
+        (16, 0, 0, 0),
+        (64, 0, 0, 0),
+        (32, 1, 0, 0),
+        (64, 1, 1, 0),
+        (16, 0, 1, 0),
+        (16, 1, 0, 1),
+        (64, 1, 0, 1),
+    ],
 )
-def test_tuning_knobs_change_speed_not_results(block_n, k_rows, heads_first):
+def test_tuning_knobs_change_speed_not_results(block_n, k_rows, heads_first, prefetch):
     """Tiles wider than a page (several pages per tile, partly masked at the end), K loaded
-    row-major then transposed, and the heads-first grid order give the reference result, on
-    both kernels."""
+    row-major then transposed, the heads-first grid order and page ids read a tile ahead
+    (one-pass kernel) give the reference result, on both kernels."""
     from kernels.paged_decode import paged_decode_attention
 
     device = "cuda" if GPU else "cpu"
@@ -185,7 +193,9 @@ def test_tuning_knobs_change_speed_not_results(block_n, k_rows, heads_first):
     ref = paged_attention_reference(q, k, v, *meta, 32**-0.5)
     out = torch.full_like(q, float("nan"))
     knobs = dict(block_n=block_n, k_rows=bool(k_rows), heads_first=bool(heads_first))
-    paged_attention(q, k, v, *meta, 32**-0.5, max(q_lens), out=out, **knobs)
+    paged_attention(
+        q, k, v, *meta, 32**-0.5, max(q_lens), out=out, prefetch_pages=bool(prefetch), **knobs
+    )
     assert torch.isfinite(out).all() and rel_err(out, ref) <= tol
     dq_lens, dctx = [1, 1, 0, 1], [40, 130, 0, 1]
     q, k, v, meta = make_batch(dq_lens, dctx, 8, 2, 32, 16, torch.float32, device, seed=4)
