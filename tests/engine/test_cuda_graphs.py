@@ -24,6 +24,15 @@ HIGGS_HEADS = {
 }
 
 
+def _seeded_rows(ckpt, tag: str, seed: int, max_rows: int, config: dict) -> list:
+    """The rows of six seeded requests (`tag i`, seeds from `seed`, caps from `max_rows` in
+    steps of 3) on an engine built with `config`."""
+    texts = [f"{tag} {i}" for i in range(6)]
+    params = [SamplingParams(seed=seed + i, max_rows=max_rows + 3 * i) for i in range(6)]
+    engine = Engine.from_pretrained(ckpt, EngineConfig(**config))
+    return [r.rows for r in engine.generate(texts, params=params)]
+
+
 def test_unconstrained_capture_uses_the_bucket_token_count():
     for bucket in DEFAULT_BUCKETS:
         assert capture_query_bound(bucket, decode_only=False) == bucket
@@ -241,14 +250,11 @@ def test_fused_decode_attention_gives_the_same_rows(tiny_ckpt, dtype, monkeypatc
         TritonAttention, "decode_fused", lambda self, *a: calls.append(1) or original(self, *a)
     )
     base = dict(device="cuda", dtype=dtype, max_num_seqs=8, num_kv_blocks=512)
-    texts = [f"fused decode {i}" for i in range(6)]
-    params = [SamplingParams(seed=70 + i, max_rows=24 + 3 * i) for i in range(6)]
     rows = {}
     for fused in (False, True):
         for graphs in (False, True):
-            config = EngineConfig(fused_decode_attention=fused, cuda_graphs=graphs, **base)
-            engine = Engine.from_pretrained(tiny_ckpt, config)
-            rows[fused, graphs] = [r.rows for r in engine.generate(texts, params=params)]
+            config = dict(fused_decode_attention=fused, cuda_graphs=graphs, **base)
+            rows[fused, graphs] = _seeded_rows(tiny_ckpt, "fused decode", 70, 24, config)
             assert bool(calls) == fused
     assert rows[True, True] == rows[False, True] and rows[True, False] == rows[False, False]
 
@@ -307,14 +313,11 @@ def test_attention_prefetch_pages_gives_the_same_rows(tiny_ckpt):
     arithmetic in the same order, so the seeded rows equal those without it, graphed and
     eager."""
     base = dict(device="cuda", dtype="bfloat16", max_num_seqs=8, num_kv_blocks=512)
-    texts = [f"prefetched pages {i}" for i in range(6)]
-    params = [SamplingParams(seed=70 + i, max_rows=30 + 3 * i) for i in range(6)]
     rows = {}
     for prefetch in (False, True):
         for graphs in (True, False):
-            config = EngineConfig(attention_prefetch_pages=prefetch, cuda_graphs=graphs, **base)
-            engine = Engine.from_pretrained(tiny_ckpt, config)
-            rows[prefetch, graphs] = [r.rows for r in engine.generate(texts, params=params)]
+            config = dict(attention_prefetch_pages=prefetch, cuda_graphs=graphs, **base)
+            rows[prefetch, graphs] = _seeded_rows(tiny_ckpt, "prefetched pages", 70, 30, config)
     assert rows[True, True] == rows[False, True] and rows[True, False] == rows[False, False]
 
 
