@@ -192,6 +192,9 @@ class EngineConfig:
     # The few-row GEMM fetches its tiles with the copy engine (TMA tensor descriptors,
     # Hopper) instead of per-thread loads. CPU-tested; not yet timed on the H200, so off.
     skinny_gemm_tma: bool = False
+    # The few-row GEMM requests its first weight tile before its programmatic-dependent-launch
+    # wait (weights are never written by the kernel before it). CPU-tested; not yet timed.
+    skinny_gemm_early_weights: bool = False
     cuda_graphs: bool = True  # FULL backbone graphs (CUDA with the Triton backend); False: eager
     # The host schedules and launches step N+1 before it reads step N's rows (one step in
     # flight); False: each step's rows are read before the next step is scheduled.
@@ -262,6 +265,8 @@ class EngineConfig:
             raise ConfigError(f"skinny_gemm_rows must be in 0..64, got {self.skinny_gemm_rows}")
         if self.skinny_gemm_rows and (self.device == "cpu" or not self.fused_kernels):
             raise ConfigError("skinny_gemm_rows needs fused_kernels on a CUDA device")
+        if self.skinny_gemm_tma and self.skinny_gemm_early_weights:
+            raise ConfigError("skinny_gemm_early_weights applies without skinny_gemm_tma")
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ConfigError(f"kv_cache_dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
         if self.kv_cache_dtype == "fp8" and self.attention_backend in ("varlen", "flash"):

@@ -85,7 +85,8 @@ class Engine:
         if skinny_rows:
             if not fused:
                 raise ConfigError("skinny_gemm_rows needs fused kernels on a CUDA device")
-            self.model.use_skinny_gemm(skinny_rows, tma=config.skinny_gemm_tma)
+            loads = dict(tma=config.skinny_gemm_tma, early_weights=config.skinny_gemm_early_weights)
+            self.model.use_skinny_gemm(skinny_rows, **loads)
         if config.max_model_len > self.model.config.max_position_embeddings:
             raise ConfigError(
                 f"max_model_len {config.max_model_len} exceeds the model's "

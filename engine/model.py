@@ -135,10 +135,10 @@ class SkinnyGemmOps(TritonOps):
     (kernels/skinny_gemm.py) instead of cuBLAS. The row count of a step is fixed per captured
     graph, so the choice is made once per shape."""
 
-    def __init__(self, max_rows: int, counters: torch.Tensor, tma: bool = False):
+    def __init__(self, max_rows: int, counters: torch.Tensor, **loads):
         self.max_rows = max_rows
         self.counters = counters  # int32 zeros, shared by every launch (each leaves them zero)
-        self.tma = tma  # tiles through tensor descriptors (kernels/skinny_gemm.py)
+        self.loads = loads  # skinny_gemm's tma / early_weights
 
     def linear(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > self.max_rows:
@@ -147,7 +147,7 @@ class SkinnyGemmOps(TritonOps):
 
         n, k = layer.weight.shape
         tiles = skinny_tiles(x.shape[0], n, k)
-        return skinny_gemm(x, layer.weight, self.counters, tma=self.tma, **tiles)
+        return skinny_gemm(x, layer.weight, self.counters, **self.loads, **tiles)
 
     def gated_linear(self, layer: nn.Linear, gate_up: torch.Tensor) -> torch.Tensor:
         """The activation folded into the down projection's loads: one launch, not two."""
@@ -157,7 +157,7 @@ class SkinnyGemmOps(TritonOps):
 
         n, k = layer.weight.shape
         tiles = skinny_tiles(gate_up.shape[0], n, k)
-        return skinny_gemm(gate_up, layer.weight, self.counters, gated=True, tma=self.tma, **tiles)
+        return skinny_gemm(gate_up, layer.weight, self.counters, gated=True, **self.loads, **tiles)
 
 
 def _pdl_scope(enabled: bool):
@@ -249,14 +249,14 @@ class HiggsModel(nn.Module):
         self.register_buffer("codebook_offsets", offsets, persistent=False)  # [8]
         self.pdl = False  # Triton launches use programmatic dependent launch (EngineConfig.pdl)
 
-    def use_skinny_gemm(self, max_rows: int, tma: bool = False) -> None:
+    def use_skinny_gemm(self, max_rows: int, tma: bool = False, early_weights: bool = False):
         """Projections of up to `max_rows` rows through kernels/skinny_gemm.py
-        (EngineConfig.skinny_gemm_rows, skinny_gemm_tma); needs the fused ops."""
+        (EngineConfig.skinny_gemm_rows, _tma, _early_weights); needs the fused ops."""
         if self.ops is TorchOps:
             raise ValueError("the few-row GEMM needs the fused (Triton) ops")
         device = self.embed_tokens.weight.device
         counters = torch.zeros(4096, dtype=torch.int32, device=device)
-        self.ops = SkinnyGemmOps(max_rows, counters, tma)
+        self.ops = SkinnyGemmOps(max_rows, counters, tma=tma, early_weights=early_weights)
 
     def embed_audio(self, rows: torch.Tensor) -> torch.Tensor:
         """Summed audio embedding of rows `[N, 8]`, accumulated in fp32 and rounded once."""

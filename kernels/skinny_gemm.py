@@ -36,18 +36,28 @@ def _dot(w, x, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _x_tile(x_cols, k, m_ok, hi, K, GATED: tl.constexpr, MASK_K: tl.constexpr):
+    """x's `[BK, BM]` tile at columns k (rows past M, and with MASK_K columns from hi on,
+    read as zeros); with GATED, silu(gate) * up of the `[gate | up]` halves."""
+    x_ok = m_ok[None, :] & (k < hi)[:, None] if MASK_K else m_ok[None, :]
+    x = tl.load(x_cols + k[:, None], mask=x_ok, other=0.0)
+    if GATED:
+        x = _silu_mul(x, tl.load(x_cols + K + k[:, None], mask=x_ok, other=0.0))
+    return x
+
+
+@triton.jit
 def _skinny_gemm_kernel(
     x_ptr, up_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K, stride_xm, stride_wn,
     stride_om, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
     EVEN_K: tl.constexpr, IEEE: tl.constexpr, GATED: tl.constexpr, TMA: tl.constexpr,
-    PDL: tl.constexpr,
+    EARLY: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     # Grid (N / BN, SPLIT). The tile is transposed (acc[n, m] = W[n, :] . x[m, :]) so that the
     # weight's rows are the tensor-core tile's tall side and the few x rows its narrow one.
     # With TMA, x_ptr / up_ptr / w_ptr are tensor descriptors (x and up `[M, K]`, blocks
     # `[BM, BK]`; w `[N, K]`, blocks `[BN, BK]`): the copy engine fetches whole tiles, rows
     # and columns past the ends read as zeros.
-    pdl_enter(PDL)
     tile, split = tl.program_id(0), tl.program_id(1)
     n = tile * BN + tl.arange(0, BN)
     m = tl.arange(0, BM)
@@ -55,6 +65,15 @@ def _skinny_gemm_kernel(
     per = tl.cdiv(tl.cdiv(K, BK), SPLIT) * BK  # K columns per split, whole BK chunks
     lo = split * per
     hi = tl.minimum(K, lo + per)
+    if not TMA:
+        w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
+        x_cols = x_ptr + m[None, :] * stride_xm
+    if EARLY:  # (per-thread loads only)
+        # The weight is never written by an earlier kernel, so under PDL the first weight
+        # tile is requested before the wait for the previous kernel (x is its output).
+        k = lo + tl.arange(0, BK)
+        w_first = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < hi)[None, :], other=0.0)
+    pdl_enter(PDL)
     acc = tl.zeros([BN, BM], tl.float32)
     if TMA:
         for k0 in range(lo, hi, BK):
@@ -64,21 +83,18 @@ def _skinny_gemm_kernel(
                 x = _silu_mul(x, up_ptr.load([0, k0]))
             acc = _dot(w, tl.trans(x), acc, IEEE)
     else:
-        w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
-        x_cols = x_ptr + m[None, :] * stride_xm
-        for k0 in range(lo, hi, BK):
+        start = lo
+        if EARLY:  # the first chunk, with the weight tile read before the wait
+            x = _x_tile(x_cols, lo + tl.arange(0, BK), m_ok, hi, K, GATED, True)
+            acc = _dot(w_first, x, acc, IEEE)
+            start = lo + BK
+        for k0 in range(start, hi, BK):
             k = k0 + tl.arange(0, BK)
             if EVEN_K:
                 w = tl.load(w_rows + k[None, :], mask=n_ok[:, None], other=0.0)
-                x_ok = m_ok[None, :]
             else:
-                k_ok = k < hi
-                w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-                x_ok = m_ok[None, :] & k_ok[:, None]
-            x = tl.load(x_cols + k[:, None], mask=x_ok, other=0.0)
-            if GATED:  # x holds [gate | up]
-                x = _silu_mul(x, tl.load(x_cols + K + k[:, None], mask=x_ok, other=0.0))
-            acc = _dot(w, x, acc, IEEE)
+                w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < hi)[None, :], other=0.0)
+            acc = _dot(w, _x_tile(x_cols, k, m_ok, hi, K, GATED, not EVEN_K), acc, IEEE)
     out_at = out_ptr + m[None, :] * stride_om + n[:, None]
     out_ok = n_ok[:, None] & m_ok[None, :]
     if SPLIT == 1:
@@ -130,6 +146,7 @@ def skinny_gemm(
     num_warps: int = 4,
     num_stages: int = 4,
     tma: bool = False,
+    early_weights: bool = False,
 ) -> torch.Tensor:
     """`x [M, K] @ weight [N, K]^T -> [M, N]` in x's dtype (fp32 accumulation), for M up to
     64. `counters`: int32, at least `ceil(N / block_n)`, all zero; every launch leaves them
@@ -138,7 +155,10 @@ def skinny_gemm(
     activation folded into the down projection). Tile knobs as `skinny_tiles`, which gives
     the defaults the engine uses; `tma`: tiles fetched by the copy engine (Hopper tensor
     memory access, through tensor descriptors; needs 16-byte aligned rows) instead of
-    per-thread loads."""
+    per-thread loads. `early_weights` (per-thread loads only): under programmatic dependent
+    launch the first weight tile is requested before waiting for the previous kernel."""
+    if tma and early_weights:
+        raise ValueError("early_weights applies to the per-thread loads, not to tma")
     m, k = x.shape[0], weight.shape[1]
     n = weight.shape[0]
     if x.shape[1] != (2 * k if gated else k) or weight.stride(1) != 1 or x.stride(1) != 1:
@@ -183,6 +203,7 @@ def skinny_gemm(
         IEEE=x.dtype == torch.float32,
         GATED=gated,
         TMA=tma,
+        EARLY=early_weights,
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl_launch(),

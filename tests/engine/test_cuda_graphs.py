@@ -281,9 +281,15 @@ def test_pdl_gives_the_same_rows(tiny_ckpt, dtype):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize(
-    "dtype, tma", [("float32", False), ("bfloat16", False), ("bfloat16", True)]
+    "dtype, loads",
+    [
+        ("float32", {}),
+        ("bfloat16", {}),
+        ("bfloat16", {"skinny_gemm_tma": True}),
+        ("bfloat16", {"skinny_gemm_early_weights": True}),
+    ],
 )
-def test_skinny_gemm_graphs_equal_eager(tiny_ckpt, dtype, tma):
+def test_skinny_gemm_graphs_equal_eager(tiny_ckpt, dtype, loads):
     """`skinny_gemm_rows` (auto: 16 on a GPU with fused kernels): projections of few-row steps
     through our split-K GEMM. Its partials are added in a fixed order, so the graphed engine
     samples the eager engine's rows; with it off (cuBLAS) the ops carry no counters. (Its
@@ -291,7 +297,7 @@ def test_skinny_gemm_graphs_equal_eager(tiny_ckpt, dtype, tma):
     texts = [f"few-row gemm {i}" for i in range(6)]
     params = [SamplingParams(seed=60 + i, max_rows=22 + 3 * i) for i in range(6)]
     base = dict(device="cuda", dtype=dtype, max_num_seqs=8, num_kv_blocks=512)
-    base["skinny_gemm_tma"] = tma  # tiles through TMA descriptors
+    base.update(loads)  # TMA tiles, or the first weight tile before the PDL wait
     rows = {}
     for skinny, graphs in [(None, True), (None, False), (0, True)]:
         config = EngineConfig(skinny_gemm_rows=skinny, cuda_graphs=graphs, **base)

@@ -37,7 +37,7 @@ def _run(
     fuse_decode: bool = False,
     kv_dtype=None,
     skinny_rows: int = 0,
-    skinny_tma: bool = False,
+    skinny_loads: dict | None = None,
     prefetch: bool = False,
 ):
     torch.manual_seed(0)
@@ -49,7 +49,7 @@ def _run(
     for p in model.parameters():
         torch.nn.init.normal_(p, std=0.2)
     if skinny_rows:
-        model.use_skinny_gemm(skinny_rows, tma=skinny_tma)
+        model.use_skinny_gemm(skinny_rows, **(skinny_loads or {}))
     caches = [torch.zeros(2, BLOCKS, PAGE, 2, 16, dtype=kv_dtype) for _ in range(CFG.num_layers)]
     if layout == "hnd":  # head-major memory, the usual shape
         hnd = (2, BLOCKS, 2, PAGE, 16)
@@ -121,9 +121,15 @@ def test_fused_ops_equal_torch_ops(backend, layout, fuse_decode, prefetch, monke
 
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # padding rows
 @pytest.mark.parametrize(
-    "skinny_rows, launches, tma", [(64, 2 * 4 * 2, False), (3, 2 * 4, False), (64, 2 * 4 * 2, True)]
+    "skinny_rows, launches, loads",
+    [
+        (64, 2 * 4 * 2, {}),
+        (3, 2 * 4, {}),
+        (64, 2 * 4 * 2, {"tma": True}),
+        (64, 2 * 4 * 2, {"early_weights": True}),
+    ],
 )
-def test_skinny_gemm_projections_equal_torch_ops(skinny_rows, launches, tma, monkeypatch):
+def test_skinny_gemm_projections_equal_torch_ops(skinny_rows, launches, loads, monkeypatch):
     """`skinny_gemm_rows`: the four projections of each layer through kernels/skinny_gemm.py
     (the down projection with the MLP's activation folded in) for steps of up to that many
     tokens (here the 9-token prefill and the 3-token decode step, or only the decode step),
@@ -136,7 +142,7 @@ def test_skinny_gemm_projections_equal_torch_ops(skinny_rows, launches, tma, mon
     monkeypatch.setattr(
         kernels.skinny_gemm, "skinny_gemm", lambda *a, **k: calls.append(1) or original(*a, **k)
     )
-    hidden, caches = _run(True, "triton", skinny_rows=skinny_rows, skinny_tma=tma)
+    hidden, caches = _run(True, "triton", skinny_rows=skinny_rows, skinny_loads=loads)
     assert len(calls) == launches  # 2 layers x 4 projections per step taken
     torch.testing.assert_close(hidden, ref_hidden, rtol=1e-5, atol=1e-5)
     for cache, ref in zip(caches, ref_caches, strict=True):

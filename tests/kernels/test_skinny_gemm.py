@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from kernels.skinny_gemm import skinny_gemm, skinny_tiles
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+LOADS = {"pointer": {}, "tma": {"tma": True}, "early": {"early_weights": True}}
 
 
 def _operands(m, n, k, dtype, seed=0):
@@ -30,12 +31,13 @@ def _operands(m, n, k, dtype, seed=0):
         (17, 32, 64, 32, 16, 2),  # rows padded to 32
     ],
 )
-@pytest.mark.parametrize("tma", [False, True])
-def test_matches_linear(m, n, k, block_n, block_k, split, tma):
-    """Pointer loads and TMA tiles (rows and columns past the ends read as zeros)."""
+@pytest.mark.parametrize("loads", ["pointer", "tma", "early"])
+def test_matches_linear(m, n, k, block_n, block_k, split, loads):
+    """Per-thread loads, TMA tiles (rows and columns past the ends read as zeros) and the
+    first weight tile read ahead of the loop (`early_weights`)."""
     x, w = _operands(m, n, k, torch.float32)
     counters = torch.zeros(8, dtype=torch.int32, device=DEVICE)
-    knobs = dict(block_n=block_n, block_k=block_k, split=split, num_stages=2, tma=tma)
+    knobs = dict(block_n=block_n, block_k=block_k, split=split, num_stages=2, **LOADS[loads])
     out = skinny_gemm(x, w, counters, **knobs)
     torch.testing.assert_close(out, F.linear(x, w), rtol=1e-5, atol=1e-5)
     assert int(counters.abs().sum()) == 0  # left zero for the next launch
@@ -54,8 +56,8 @@ def test_writes_into_a_given_output_with_a_row_stride():
 
 # bf16 on a GPU only: the Triton CPU interpreter's bf16 products are wrong
 @pytest.mark.parametrize("dtype", [torch.float32] + [torch.bfloat16] * (DEVICE == "cuda"))
-@pytest.mark.parametrize("tma", [False, True])
-def test_gated_folds_silu_mul_into_the_loads(dtype, tma):
+@pytest.mark.parametrize("loads", ["pointer", "tma", "early"])
+def test_gated_folds_silu_mul_into_the_loads(dtype, loads):
     """`gated=True`: x is [gate | up] and the product is silu_mul(x) @ W^T, the activation
     rounded as kernels/norm_rope.silu_mul rounds it (so in bf16 too the same bits as the two
     launches with our GEMM)."""
@@ -64,7 +66,7 @@ def test_gated_folds_silu_mul_into_the_loads(dtype, tma):
     gate_up, _ = _operands(5, 1, 2 * 96, dtype, seed=3)
     _, w = _operands(1, 48, 96, dtype, seed=4)
     counters = torch.zeros(8, dtype=torch.int32, device=DEVICE)
-    knobs = dict(block_n=16, block_k=32, split=2, num_stages=2, tma=tma)
+    knobs = dict(block_n=16, block_k=32, split=2, num_stages=2, **LOADS[loads])
     out = skinny_gemm(gate_up, w, counters, gated=True, **knobs)
     assert torch.equal(out, skinny_gemm(silu_mul(gate_up), w, counters, **knobs))
     ref = F.linear(F.silu(gate_up[:, :96].float()) * gate_up[:, 96:].float(), w.float())
@@ -89,6 +91,8 @@ def test_refuses_what_it_cannot_do():
     assert skinny_gemm(
         odd, torch.zeros(16, 36, device=DEVICE), counters, gated=True, tma=True
     ).shape
+    with pytest.raises(ValueError, match="early_weights"):
+        skinny_gemm(x, w, counters, tma=True, early_weights=True)
     with pytest.raises(ValueError, match="16-byte aligned"):  # rows of 33 fp32: 132 bytes
         skinny_gemm(
             torch.zeros(2, 33, device=DEVICE),
@@ -121,17 +125,22 @@ def test_default_tiles_are_the_h200_sweeps_best():
 @pytest.mark.parametrize(
     "n,k", [(6144, 2560), (2560, 4096), (19456, 2560), (2560, 9728), (8208, 2560)]
 )
-@pytest.mark.parametrize("tma", [False, True])
-def test_higgs_shapes_on_the_gpu(m, n, k, tma):
+@pytest.mark.parametrize("loads", ["pointer", "tma", "early"])
+def test_higgs_shapes_on_the_gpu(m, n, k, loads):
     x, w = _operands(m, n, k, torch.bfloat16, seed=m)
     counters = torch.zeros(1024, dtype=torch.int32, device=DEVICE)
-    tiles = dict(skinny_tiles(m, n, k), tma=tma)
+    tiles = dict(skinny_tiles(m, n, k), **LOADS[loads])
     out = skinny_gemm(x, w, counters, **tiles)
     ref = F.linear(x.float(), w.float())
     err = float((out.float() - ref).norm() / ref.norm())
     assert err < 4e-3, err  # bf16 output rounding
     for _ in range(3):  # the same bits whichever program finishes last
         assert torch.equal(skinny_gemm(x, w, counters, **tiles), out)
+    if loads == "early":  # under PDL the first weight tile is read before the wait
+        from kernels.launch import use_pdl
+
+        with use_pdl(True):
+            assert torch.equal(skinny_gemm(x, w, counters, **tiles), out)
     assert int(counters.abs().sum()) == 0
     if n == 2560 and k == 9728:  # down: the MLP's activation folded in
         from kernels.norm_rope import silu_mul
