@@ -121,12 +121,15 @@ def test_default_tiles_are_the_h200_sweeps_best():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
-@pytest.mark.parametrize("m", [1, 2, 8, 33, 64])
+@pytest.mark.parametrize(
+    "m, loads",
+    [(m, "pointer") for m in (1, 2, 8, 33, 64)]
+    + [(m, x) for m in (1, 64) for x in ("tma", "early")],
+)
 @pytest.mark.parametrize(
     "n,k", [(6144, 2560), (2560, 4096), (19456, 2560), (2560, 9728), (8208, 2560)]
 )
-@pytest.mark.parametrize("loads", ["pointer", "tma", "early"])
-def test_higgs_shapes_on_the_gpu(m, n, k, loads):
+def test_higgs_shapes_on_the_gpu(m, loads, n, k):
     x, w = _operands(m, n, k, torch.bfloat16, seed=m)
     counters = torch.zeros(1024, dtype=torch.int32, device=DEVICE)
     tiles = dict(skinny_tiles(m, n, k), **LOADS[loads])
