@@ -52,10 +52,22 @@ def make(q_lens, ctx_lens):
     return (q, k, v, qsl, lens, tables.int()), kv_bytes
 
 
-def _configs(decode: bool, num_seqs: int, grid_order: bool):
+def _configs(decode: bool, num_seqs: int, grid_order: bool, prefetch: bool = False):
     """(label, callable(args, max_q)) for every setting swept: the one-pass kernel always, the
     split-KV decode kernel for decode-only cases (more splits for fewer sequences); with
-    `grid_order`, both grid orders (hf=1: heads first) on a narrower tile grid."""
+    `grid_order`, both grid orders (hf=1: heads first) on a narrower tile grid; with
+    `prefetch`, only the one-pass kernel with its page ids a tile ahead, over tiles, warps
+    and stages (stages only matter with it: tests/kernels/test_sm90_compile.py)."""
+    if prefetch:
+        return [
+            (
+                f"one+pf BN={bn} w={warps} s={stages}",
+                lambda a, m, kw=dict(block_n=bn, num_warps=warps, num_stages=stages): (
+                    paged_attention(*a, 128**-0.5, m, prefetch_pages=True, **kw)
+                ),
+            )
+            for bn, warps, stages in itertools.product((16, 32, 64, 128), (4, 8), (2, 3, 4, 5))
+        ]
     out = []
     tiles = (32, 64) if grid_order else (32, 64, 128)
     orders = (0, 1) if grid_order else (0,)
@@ -100,6 +112,9 @@ def main() -> None:
     ap.add_argument(
         "--grid-order", action="store_true", help="sweep both grid orders on fewer tiles"
     )
+    ap.add_argument(
+        "--prefetch", action="store_true", help="sweep the one-pass kernel with page prefetch"
+    )
     args_ = ap.parse_args()
     quick = args_.quick
     wanted = [c for c in args_.cases.split(",") if c]
@@ -111,7 +126,8 @@ def main() -> None:
         max_q = bound or max(q_lens)
         ref = paged_attention_reference(*args, 128**-0.5).float()
         results = []
-        for label, fn in [] if quick else _configs(max(q_lens) == 1, len(q_lens), args_.grid_order):
+        sweep = _configs(max(q_lens) == 1, len(q_lens), args_.grid_order, args_.prefetch)
+        for label, fn in [] if quick else sweep:
             out = fn(args, max_q)
             if float((out.float() - ref).norm() / ref.norm()) > 1e-2:
                 print(f"{name}: {label} does not match the reference; skipped")
