@@ -146,7 +146,7 @@ class SkinnyGemmOps(TritonOps):
         from kernels.skinny_gemm import skinny_gemm, skinny_tiles
 
         n, k = layer.weight.shape
-        tiles = skinny_tiles(x.shape[0], n, k)
+        tiles = skinny_tiles(x.shape[0], n, k, self.loads.get("early_weights", False))
         return skinny_gemm(x, layer.weight, self.counters, **self.loads, **tiles)
 
     def gated_linear(self, layer: nn.Linear, gate_up: torch.Tensor) -> torch.Tensor:
@@ -156,7 +156,7 @@ class SkinnyGemmOps(TritonOps):
         from kernels.skinny_gemm import skinny_gemm, skinny_tiles
 
         n, k = layer.weight.shape
-        tiles = skinny_tiles(gate_up.shape[0], n, k)
+        tiles = skinny_tiles(gate_up.shape[0], n, k, self.loads.get("early_weights", False))
         return skinny_gemm(gate_up, layer.weight, self.counters, gated=True, **self.loads, **tiles)
 
 
