@@ -187,9 +187,7 @@ class TritonAttention(_StoreThenAttend):
 
     def fuses_decode(self, meta, kv_cache) -> bool:
         """Decode-only steps that run the one-pass kernel (enough sequences not to split)."""
-        if not self.fuse_decode or meta.max_query_len != 1:
-            return False
-        return self._splits(meta, kv_cache) == 1
+        return self.fuse_decode and meta.max_query_len == 1 and self._splits(meta, kv_cache) == 1
 
     def decode_fused(self, norm_args, kv_cache, meta, scale):
         """`norm_args`: the q/k-norm + RoPE kernel's arguments (qkv, q and k norm weights,
@@ -199,10 +197,8 @@ class TritonAttention(_StoreThenAttend):
         slots = meta.slot_mapping[: meta.num_tokens]
         cache = (kv_cache[0], kv_cache[1], slots)
         index = (meta.query_start_loc, meta.seq_lens, meta.block_tables)
-        prefetch = self.prefetch_pages
-        return paged_decode_attention_fused(
-            *norm_args, *cache, *index, scale, prefetch_pages=prefetch
-        )
+        prefetch = dict(prefetch_pages=self.prefetch_pages)
+        return paged_decode_attention_fused(*norm_args, *cache, *index, scale, **prefetch)
 
     def attend(self, q, kv_cache, meta, scale):
         from kernels.paged_attention import paged_attention

@@ -143,21 +143,20 @@ class SkinnyGemmOps(TritonOps):
     def linear(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > self.max_rows:
             return F.linear(x, layer.weight)
-        from kernels.skinny_gemm import skinny_gemm, skinny_tiles
-
-        n, k = layer.weight.shape
-        tiles = skinny_tiles(x.shape[0], n, k, self.loads.get("early_weights", False))
-        return skinny_gemm(x, layer.weight, self.counters, **self.loads, **tiles)
+        return self._gemm(layer, x, gated=False)
 
     def gated_linear(self, layer: nn.Linear, gate_up: torch.Tensor) -> torch.Tensor:
         """The activation folded into the down projection's loads: one launch, not two."""
         if gate_up.shape[0] > self.max_rows:
             return TritonOps.gated_linear(layer, gate_up)
+        return self._gemm(layer, gate_up, gated=True)
+
+    def _gemm(self, layer: nn.Linear, x: torch.Tensor, gated: bool) -> torch.Tensor:
         from kernels.skinny_gemm import skinny_gemm, skinny_tiles
 
         n, k = layer.weight.shape
-        tiles = skinny_tiles(gate_up.shape[0], n, k, self.loads.get("early_weights", False))
-        return skinny_gemm(gate_up, layer.weight, self.counters, gated=True, **self.loads, **tiles)
+        tiles = skinny_tiles(x.shape[0], n, k, self.loads.get("early_weights", False))
+        return skinny_gemm(x, layer.weight, self.counters, gated=gated, **self.loads, **tiles)
 
 
 def _pdl_scope(enabled: bool):
