@@ -11,6 +11,7 @@ import argparse
 import itertools
 
 import torch
+import triton.runtime.errors
 import triton.testing
 
 from kernels.norm_rope import qk_norm_rope_store
@@ -44,12 +45,13 @@ def make(q_lens, ctx_lens):
         len(q_lens), pages
     )
     qsl = torch.tensor(
-        [0, *torch.tensor(q_lens).cumsum(0).tolist()], device="cuda", dtype=torch.int32
+        [0, *torch.tensor(q_lens).cumsum(0).tolist()], device="cuda", dtype=torch.int64
     )
     q = torch.randn(sum(q_lens), 32, d, device="cuda", dtype=torch.bfloat16)
-    lens = torch.tensor(seq_lens, device="cuda", dtype=torch.int32)
+    lens = torch.tensor(seq_lens, device="cuda", dtype=torch.int64)
     kv_bytes = sum(seq_lens) * hkv * d * 2 * 2
-    return (q, k, v, qsl, lens, tables.int()), kv_bytes
+    # int64 index tensors, as the engine passes them (views of its staging buffer)
+    return (q, k, v, qsl, lens, tables.long()), kv_bytes
 
 
 def _configs(decode: bool, num_seqs: int, grid_order: bool, prefetch: bool = False):
@@ -128,7 +130,11 @@ def main() -> None:
         results = []
         sweep = _configs(max(q_lens) == 1, len(q_lens), args_.grid_order, args_.prefetch)
         for label, fn in [] if quick else sweep:
-            out = fn(args, max_q)
+            try:
+                out = fn(args, max_q)
+            except triton.runtime.errors.OutOfResources as e:  # too many stages for the tile
+                print(f"{name}: {label} does not fit ({e}); skipped")
+                continue
             if float((out.float() - ref).norm() / ref.norm()) > 1e-2:
                 print(f"{name}: {label} does not match the reference; skipped")
                 continue

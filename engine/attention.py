@@ -36,9 +36,9 @@ class AttentionMetadata:
 
     num_tokens: int
     num_seqs: int
-    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
-    seq_lens: torch.Tensor  # [num_seqs] int32
-    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int64 (views of the runner's staging buffer)
+    seq_lens: torch.Tensor  # [num_seqs] int64
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int64
     slot_mapping: torch.Tensor  # [num_tokens] int64; padding rows point into block 0
     max_query_len: int
     max_seq_len: int

@@ -85,8 +85,8 @@ class Engine:
         if skinny_rows:
             if not fused:
                 raise ConfigError("skinny_gemm_rows needs fused kernels on a CUDA device")
-            loads = dict(tma=config.skinny_gemm_tma, early_weights=config.skinny_gemm_early_weights)
-            self.model.use_skinny_gemm(skinny_rows, **loads)
+            tma = _resolve_skinny_tma(config.skinny_gemm_tma, self.model, device)
+            self.model.use_skinny_gemm(skinny_rows, tma=tma)
         if config.max_model_len > self.model.config.max_position_embeddings:
             raise ConfigError(
                 f"max_model_len {config.max_model_len} exceeds the model's "
@@ -477,6 +477,22 @@ def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return getattr(torch, name)
+
+
+def _resolve_skinny_tma(setting: bool | None, model, device: torch.device) -> bool:
+    """EngineConfig.skinny_gemm_tma: None -> wherever it applies; True -> required. TMA tiles
+    need compute capability 9.0+ and every projection's input rows 16-byte aligned."""
+    cfg = model.config
+    inputs = (cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size)
+    item = model.embed_tokens.weight.element_size()
+    aligned = all(k * item % 16 == 0 for k in inputs)
+    supported = aligned and torch.cuda.get_device_capability(device) >= (9, 0)
+    if setting is True and not supported:
+        raise ConfigError(
+            "skinny_gemm_tma=True needs a GPU of compute capability 9.0+ and projection "
+            f"inputs of 16-byte rows (got {inputs} x {item} bytes)"
+        )
+    return supported if setting is None else bool(setting)
 
 
 def _resolve_pdl(setting: bool | None, fused: bool, device: torch.device) -> bool:

@@ -138,7 +138,7 @@ class SkinnyGemmOps(TritonOps):
     def __init__(self, max_rows: int, counters: torch.Tensor, **loads):
         self.max_rows = max_rows
         self.counters = counters  # int32 zeros, shared by every launch (each leaves them zero)
-        self.loads = loads  # skinny_gemm's tma / early_weights
+        self.loads = loads  # skinny_gemm's tma
 
     def linear(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > self.max_rows:
@@ -155,7 +155,7 @@ class SkinnyGemmOps(TritonOps):
         from kernels.skinny_gemm import skinny_gemm, skinny_tiles
 
         n, k = layer.weight.shape
-        tiles = skinny_tiles(x.shape[0], n, k, self.loads.get("early_weights", False))
+        tiles = skinny_tiles(x.shape[0], n, k)
         return skinny_gemm(x, layer.weight, self.counters, gated=gated, **self.loads, **tiles)
 
 
@@ -248,14 +248,14 @@ class HiggsModel(nn.Module):
         self.register_buffer("codebook_offsets", offsets, persistent=False)  # [8]
         self.pdl = False  # Triton launches use programmatic dependent launch (EngineConfig.pdl)
 
-    def use_skinny_gemm(self, max_rows: int, tma: bool = False, early_weights: bool = False):
+    def use_skinny_gemm(self, max_rows: int, tma: bool = False):
         """Projections of up to `max_rows` rows through kernels/skinny_gemm.py
-        (EngineConfig.skinny_gemm_rows, _tma, _early_weights); needs the fused ops."""
+        (EngineConfig.skinny_gemm_rows, skinny_gemm_tma); needs the fused ops."""
         if self.ops is TorchOps:
             raise ValueError("the few-row GEMM needs the fused (Triton) ops")
         device = self.embed_tokens.weight.device
         counters = torch.zeros(4096, dtype=torch.int32, device=device)
-        self.ops = SkinnyGemmOps(max_rows, counters, tma=tma, early_weights=early_weights)
+        self.ops = SkinnyGemmOps(max_rows, counters, tma=tma)
 
     def embed_audio(self, rows: torch.Tensor) -> torch.Tensor:
         """Summed audio embedding of rows `[N, 8]`, accumulated in fp32 and rounded once."""

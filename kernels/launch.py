@@ -8,8 +8,6 @@ kernels stay plain functions of tensors. Every kernel that honours it waits firs
 any read or write (`pdl_enter`, also before an early return: a kernel whose programs all left
 without waiting could complete before its predecessor, and its successor's wait would then not
 cover that predecessor), and lets its own successor launch once all its programs have started.
-The one exception is a read of memory no kernel writes (the few-row GEMM may request its first
-weight tile before the wait: `skinny_gemm(early_weights=True)`).
 Torch's kernels and cuBLAS launch without it: they start after the previous kernel completes.
 """
 

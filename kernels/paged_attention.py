@@ -156,8 +156,8 @@ def _paged_attention_kernel(
     kv_end = tl.minimum(seq_len, first_pos + (mblock + 1) * BLOCK_M)  # causal horizon of the tile
     pages = bt_ptr + seq * stride_bt
     if PREFETCH:  # the first tile's page ids before the loop, each next tile's inside it
-        n = tl.arange(0, BLOCK_N)
-        page = tl.load(pages + n // PAGE, mask=n < kv_end, other=0)
+        n0 = tl.arange(0, BLOCK_N)  # not named n: n may be int64 in the loop (kv_end's type)
+        page = tl.load(pages + n0 // PAGE, mask=n0 < kv_end, other=0)
     for start in range(0, kv_end, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_ok = n < kv_end

@@ -51,7 +51,7 @@ def _skinny_gemm_kernel(
     x_ptr, up_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K, stride_xm, stride_wn,
     stride_om, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
     EVEN_K: tl.constexpr, IEEE: tl.constexpr, GATED: tl.constexpr, TMA: tl.constexpr,
-    EARLY: tl.constexpr, PDL: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     # Grid (N / BN, SPLIT). The tile is transposed (acc[n, m] = W[n, :] . x[m, :]) so that the
     # weight's rows are the tensor-core tile's tall side and the few x rows its narrow one.
@@ -68,11 +68,6 @@ def _skinny_gemm_kernel(
     if not TMA:
         w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
         x_cols = x_ptr + m[None, :] * stride_xm
-    if EARLY:  # (per-thread loads only)
-        # The weight is never written by an earlier kernel, so under PDL the first weight
-        # tile is requested before the wait for the previous kernel (x is its output).
-        k = lo + tl.arange(0, BK)
-        w_first = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < hi)[None, :], other=0.0)
     pdl_enter(PDL)
     acc = tl.zeros([BN, BM], tl.float32)
     if TMA:
@@ -83,12 +78,7 @@ def _skinny_gemm_kernel(
                 x = _silu_mul(x, up_ptr.load([0, k0]))
             acc = _dot(w, tl.trans(x), acc, IEEE)
     else:
-        start = lo
-        if EARLY:  # the first chunk, with the weight tile read before the wait
-            x = _x_tile(x_cols, lo + tl.arange(0, BK), m_ok, hi, K, GATED, True)
-            acc = _dot(w_first, x, acc, IEEE)
-            start = lo + BK
-        for k0 in range(start, hi, BK):
+        for k0 in range(lo, hi, BK):
             k = k0 + tl.arange(0, BK)
             if EVEN_K:
                 w = tl.load(w_rows + k[None, :], mask=n_ok[:, None], other=0.0)
@@ -114,14 +104,13 @@ def _skinny_gemm_kernel(
             tl.store(out_at, total.to(out_ptr.dtype.element_ty), mask=out_ok)
 
 
-def skinny_tiles(m: int, n: int, k: int, early_weights: bool = False) -> dict:
+def skinny_tiles(m: int, n: int, k: int) -> dict:
     """Default tile settings for an `[m, k] @ [n, k]^T` product, from the H200 sweep at one
     row (benchmarks/gemm_shapes.py --ours, docs/PERFORMANCE.md). Wide outputs (96+ tiles of
     64 weight rows) are not split and stream 256 columns a step; narrow ones with a long K
     are split about every 1,600 columns (tiles of 128 rows from K = 8,192). These rules give
     the sweep's best setting at each Higgs projection (qkv, o, gate-up, down, audio head).
-    Taller x tiles (more than 16 rows) drop pipeline stages to fit the shared memory (with
-    `early_weights`, whose first tile takes one more buffer)."""
+    Taller x tiles (more than 16 rows) drop pipeline stages to fit the shared memory."""
     bm = max(16, triton.next_power_of_2(m))
     if triton.cdiv(n, 64) >= 96:
         bn, bk, split, stages = 64, 256, 1, 3
@@ -129,7 +118,7 @@ def skinny_tiles(m: int, n: int, k: int, early_weights: bool = False) -> dict:
         bn, bk, stages = (128 if k >= 8192 else 64), 128, 4
         split = max(1, min(triton.cdiv(k, 128), round(k / 1600)))
     # each stage holds a weight and an x tile; the epilogue an fp32 [bn, bm] tile
-    while stages > 2 and (stages + early_weights) * (bn + bm) * bk * 2 + bn * bm * 4 > 220 * 1024:
+    while stages > 2 and stages * (bn + bm) * bk * 2 + bn * bm * 4 > 220 * 1024:
         stages -= 1
     return dict(block_m=bm, block_n=bn, block_k=bk, split=split, num_warps=4, num_stages=stages)
 
@@ -147,7 +136,6 @@ def skinny_gemm(
     num_warps: int = 4,
     num_stages: int = 4,
     tma: bool = False,
-    early_weights: bool = False,
 ) -> torch.Tensor:
     """`x [M, K] @ weight [N, K]^T -> [M, N]` in x's dtype (fp32 accumulation), for M up to
     64. `counters`: int32, at least `ceil(N / block_n)`, all zero; every launch leaves them
@@ -156,10 +144,7 @@ def skinny_gemm(
     activation folded into the down projection). Tile knobs as `skinny_tiles`, which gives
     the defaults the engine uses; `tma`: tiles fetched by the copy engine (Hopper tensor
     memory access, through tensor descriptors; needs 16-byte aligned rows) instead of
-    per-thread loads. `early_weights` (per-thread loads only): under programmatic dependent
-    launch the first weight tile is requested before waiting for the previous kernel."""
-    if tma and early_weights:
-        raise ValueError("early_weights applies to the per-thread loads, not to tma")
+    per-thread loads (faster on the H200 at 1 to 16 rows, slower at 64: docs/PERFORMANCE.md)."""
     m, k = x.shape[0], weight.shape[1]
     n = weight.shape[0]
     if x.shape[1] != (2 * k if gated else k) or weight.stride(1) != 1 or x.stride(1) != 1:
@@ -204,7 +189,6 @@ def skinny_gemm(
         IEEE=x.dtype == torch.float32,
         GATED=gated,
         TMA=tma,
-        EARLY=early_weights,
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl_launch(),

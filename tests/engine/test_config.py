@@ -403,8 +403,11 @@ def test_skinny_gemm_rows_is_validated():
         EngineConfig(skinny_gemm_rows=8)  # the CPU
     with pytest.raises(ConfigError, match="fused_kernels"):
         EngineConfig(device="cuda", skinny_gemm_rows=8, fused_kernels=False)
-    with pytest.raises(ConfigError, match="early_weights"):
-        EngineConfig(skinny_gemm_tma=True, skinny_gemm_early_weights=True)
+    with pytest.raises(ConfigError, match="CUDA"):
+        EngineConfig(skinny_gemm_tma=True)  # the CPU
+    with pytest.raises(ConfigError, match="skinny_gemm_rows > 0"):
+        EngineConfig(device="cuda", skinny_gemm_rows=0, skinny_gemm_tma=True)
+    assert EngineConfig(device="cuda", skinny_gemm_rows=0).skinny_gemm_tma is None
 
 
 def test_kv_cache_dtype_is_validated():

@@ -126,7 +126,6 @@ def test_fused_ops_equal_torch_ops(backend, layout, fuse_decode, prefetch, monke
         (64, 2 * 4 * 2, {}),
         (3, 2 * 4, {}),
         (64, 2 * 4 * 2, {"tma": True}),
-        (64, 2 * 4 * 2, {"early_weights": True}),
     ],
 )
 def test_skinny_gemm_projections_equal_torch_ops(skinny_rows, launches, loads, monkeypatch):

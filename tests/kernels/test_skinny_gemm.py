@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from kernels.skinny_gemm import skinny_gemm, skinny_tiles
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-LOADS = {"pointer": {}, "tma": {"tma": True}, "early": {"early_weights": True}}
+LOADS = {"pointer": {}, "tma": {"tma": True}}
 
 
 def _operands(m, n, k, dtype, seed=0):
@@ -31,10 +31,9 @@ def _operands(m, n, k, dtype, seed=0):
         (17, 32, 64, 32, 16, 2),  # rows padded to 32
     ],
 )
-@pytest.mark.parametrize("loads", ["pointer", "tma", "early"])
+@pytest.mark.parametrize("loads", ["pointer", "tma"])
 def test_matches_linear(m, n, k, block_n, block_k, split, loads):
-    """Per-thread loads, TMA tiles (rows and columns past the ends read as zeros) and the
-    first weight tile read ahead of the loop (`early_weights`)."""
+    """Per-thread loads and TMA tiles (rows and columns past the ends read as zeros)."""
     x, w = _operands(m, n, k, torch.float32)
     counters = torch.zeros(8, dtype=torch.int32, device=DEVICE)
     knobs = dict(block_n=block_n, block_k=block_k, split=split, num_stages=2, **LOADS[loads])
@@ -56,7 +55,7 @@ def test_writes_into_a_given_output_with_a_row_stride():
 
 # bf16 on a GPU only: the Triton CPU interpreter's bf16 products are wrong
 @pytest.mark.parametrize("dtype", [torch.float32] + [torch.bfloat16] * (DEVICE == "cuda"))
-@pytest.mark.parametrize("loads", ["pointer", "tma", "early"])
+@pytest.mark.parametrize("loads", ["pointer", "tma"])
 def test_gated_folds_silu_mul_into_the_loads(dtype, loads):
     """`gated=True`: x is [gate | up] and the product is silu_mul(x) @ W^T, the activation
     rounded as kernels/norm_rope.silu_mul rounds it (so in bf16 too the same bits as the two
@@ -91,8 +90,6 @@ def test_refuses_what_it_cannot_do():
     assert skinny_gemm(
         odd, torch.zeros(16, 36, device=DEVICE), counters, gated=True, tma=True
     ).shape
-    with pytest.raises(ValueError, match="early_weights"):
-        skinny_gemm(x, w, counters, tma=True, early_weights=True)
     with pytest.raises(ValueError, match="16-byte aligned"):  # rows of 33 fp32: 132 bytes
         skinny_gemm(
             torch.zeros(2, 33, device=DEVICE),
@@ -123,8 +120,7 @@ def test_default_tiles_are_the_h200_sweeps_best():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 @pytest.mark.parametrize(
     "m, loads",
-    [(m, "pointer") for m in (1, 2, 8, 33, 64)]
-    + [(m, x) for m in (1, 64) for x in ("tma", "early")],
+    [(m, "pointer") for m in (1, 2, 8, 33, 64)] + [(m, "tma") for m in (1, 2, 8, 16, 64)],
 )
 @pytest.mark.parametrize(
     "n,k", [(6144, 2560), (2560, 4096), (19456, 2560), (2560, 9728), (8208, 2560)]
@@ -132,18 +128,17 @@ def test_default_tiles_are_the_h200_sweeps_best():
 def test_higgs_shapes_on_the_gpu(m, loads, n, k):
     x, w = _operands(m, n, k, torch.bfloat16, seed=m)
     counters = torch.zeros(1024, dtype=torch.int32, device=DEVICE)
-    tiles = dict(skinny_tiles(m, n, k, loads == "early"), **LOADS[loads])
+    tiles = dict(skinny_tiles(m, n, k), **LOADS[loads])
     out = skinny_gemm(x, w, counters, **tiles)
     ref = F.linear(x.float(), w.float())
     err = float((out.float() - ref).norm() / ref.norm())
     assert err < 4e-3, err  # bf16 output rounding
     for _ in range(3):  # the same bits whichever program finishes last
         assert torch.equal(skinny_gemm(x, w, counters, **tiles), out)
-    if loads == "early":  # under PDL the first weight tile is read before the wait
-        from kernels.launch import use_pdl
+    from kernels.launch import use_pdl
 
-        with use_pdl(True):
-            assert torch.equal(skinny_gemm(x, w, counters, **tiles), out)
+    with use_pdl(True):  # launched as the engine launches it
+        assert torch.equal(skinny_gemm(x, w, counters, **tiles), out)
     assert int(counters.abs().sum()) == 0
     if n == 2560 and k == 9728:  # down: the MLP's activation folded in
         from kernels.norm_rope import silu_mul
