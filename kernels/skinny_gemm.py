@@ -47,17 +47,18 @@ def _x_tile(x_cols, k, m_ok, hi, K, GATED: tl.constexpr, MASK_K: tl.constexpr):
 
 
 @triton.jit
-def _norm_input(x, r, ro_at, write, nw, ok, RESID: tl.constexpr, AXIS: tl.constexpr):
+def _norm_input(x, r, ro_at, write, nw, ok, RESID: tl.constexpr):
     """One chunk of the input norm folded into the loads: `x (+ r)` rounded as add_rms_norm
-    rounds it (stored at `ro_at` where `write`: the new residual), its squares summed along
-    AXIS (the K axis of the tile), and the chunk scaled by the norm weight `nw` (broadcast
-    along K). The row scale 1/rms is applied to the product (`acc`), after the loop."""
+    rounds it (stored at `ro_at` where `write`: the new residual), its squares (summed over
+    K after the loop: a reduction in the loop would synchronise the warps every chunk), and
+    the chunk scaled by the norm weight `nw` (broadcast along K). The row scale 1/rms is
+    applied to the product (`acc`), after the loop."""
     if RESID:
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
         if write:
             tl.store(ro_at, x, mask=ok)
     xf = x.to(tl.float32)
-    return (xf * nw.to(tl.float32)).to(x.dtype), tl.sum(xf * xf, AXIS)
+    return (xf * nw.to(tl.float32)).to(x.dtype), xf * xf
 
 
 @triton.jit
@@ -88,8 +89,8 @@ def _skinny_gemm_kernel(
         x_cols = x_ptr + m[None, :] * stride_xm
     pdl_enter(PDL)
     acc = tl.zeros([BN, BM], tl.float32)
-    sq = tl.zeros([BM], tl.float32)  # NORM: the rows' sums of squares
     if TMA:
+        sq = tl.zeros([BM, BK], tl.float32)  # NORM: the squares, summed over K at the end
         for k0 in range(lo, hi, BK):
             w = w_ptr.load([tile * BN, k0])
             x = x_ptr.load([0, k0])
@@ -101,10 +102,11 @@ def _skinny_gemm_kernel(
                 r = up_ptr.load([0, k0]) if RESID else x
                 nw = tl.load(nw_ptr + k, mask=k < K, other=0.0)[None, :]
                 ok = m_ok[:, None] & (k < K)[None, :]
-                x, part = _norm_input(x, r, ro_at, tile == 0, nw, ok, RESID, 1)
+                x, part = _norm_input(x, r, ro_at, tile == 0, nw, ok, RESID)
                 sq += part
             acc = _dot(w, tl.trans(x), acc, IEEE)
     else:
+        sq = tl.zeros([BK, BM], tl.float32)
         for k0 in range(lo, hi, BK):
             k = k0 + tl.arange(0, BK)
             if EVEN_K:
@@ -119,13 +121,14 @@ def _skinny_gemm_kernel(
                     r = tl.load(up_ptr + m[None, :] * stride_xm + k[:, None], mask=ok, other=0.0)
                 ro_at = ro_ptr + m[None, :] * stride_xm + k[:, None]
                 nw = tl.load(nw_ptr + k, mask=k < K, other=0.0)[:, None]
-                x, part = _norm_input(x, r, ro_at, tile == 0, nw, ok, RESID, 0)
+                x, part = _norm_input(x, r, ro_at, tile == 0, nw, ok, RESID)
                 sq += part
             else:
                 x = _x_tile(x_cols, k, m_ok, hi, K, GATED, not EVEN_K)
             acc = _dot(w, x, acc, IEEE)
-    if NORM:
-        acc = acc * (1.0 / tl.sqrt(sq / K + eps))[None, :]
+    if NORM:  # each row's 1/rms
+        rstd = 1.0 / tl.sqrt(tl.sum(sq, 1 if TMA else 0) / K + eps)
+        acc = acc * rstd[None, :]
     out_at = out_ptr + m[None, :] * stride_om + n[:, None]
     out_ok = n_ok[:, None] & m_ok[None, :]
     if SPLIT == 1:
