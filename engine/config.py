@@ -194,9 +194,6 @@ class EngineConfig:
     # 9.0+, projections with 16-byte aligned rows; on the H200 the batch-1 step went 3.11 ->
     # 2.99 ms); True: required; False: per-thread loads.
     skinny_gemm_tma: bool | None = None
-    # The few-row GEMM takes the add + RMSNorm before the qkv and gate-up projections into
-    # its loads (one launch instead of two; the same values up to rounding). CPU-tested.
-    skinny_gemm_fold_norm: bool = False
     cuda_graphs: bool = True  # FULL backbone graphs (CUDA with the Triton backend); False: eager
     # The host schedules and launches step N+1 before it reads step N's rows (one step in
     # flight); False: each step's rows are read before the next step is scheduled.
@@ -267,11 +264,10 @@ class EngineConfig:
             raise ConfigError(f"skinny_gemm_rows must be in 0..64, got {self.skinny_gemm_rows}")
         if self.skinny_gemm_rows and (self.device == "cpu" or not self.fused_kernels):
             raise ConfigError("skinny_gemm_rows needs fused_kernels on a CUDA device")
-        for knob in ("skinny_gemm_tma", "skinny_gemm_fold_norm"):
-            if getattr(self, knob) and (self.device == "cpu" or not self.fused_kernels):
-                raise ConfigError(f"{knob} needs fused_kernels on a CUDA device")
-            if getattr(self, knob) and self.skinny_gemm_rows == 0:
-                raise ConfigError(f"{knob} needs the few-row GEMM (skinny_gemm_rows > 0)")
+        if self.skinny_gemm_tma and (self.device == "cpu" or not self.fused_kernels):
+            raise ConfigError("skinny_gemm_tma needs fused_kernels on a CUDA device")
+        if self.skinny_gemm_tma and self.skinny_gemm_rows == 0:
+            raise ConfigError("skinny_gemm_tma needs the few-row GEMM (skinny_gemm_rows > 0)")
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ConfigError(f"kv_cache_dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
         if self.kv_cache_dtype == "fp8" and self.attention_backend in ("varlen", "flash"):

@@ -74,12 +74,6 @@ class TorchOps:
 
     qk_norm_rope_store = None  # no fused K/V store: the backend's forward writes them
 
-    @classmethod
-    def norm_linear(cls, layer: nn.Linear, x, residual, norm: RMSNorm):
-        """`(layer(add_rms_norm(x, residual)), x + residual)`: the norm before a projection."""
-        h, total = cls.add_rms_norm(x, residual, norm.weight, norm.eps)
-        return cls.linear(layer, h), total
-
     @staticmethod
     def linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, layer.weight)
@@ -130,7 +124,6 @@ class TritonOps:
         return silu_mul(gate_up)
 
     linear = TorchOps.linear
-    norm_linear = classmethod(TorchOps.norm_linear.__func__)
 
     @staticmethod
     def gated_linear(layer: nn.Linear, gate_up: torch.Tensor) -> torch.Tensor:
@@ -142,10 +135,9 @@ class SkinnyGemmOps(TritonOps):
     (kernels/skinny_gemm.py) instead of cuBLAS. The row count of a step is fixed per captured
     graph, so the choice is made once per shape."""
 
-    def __init__(self, max_rows: int, counters: torch.Tensor, fold_norm: bool = False, **loads):
+    def __init__(self, max_rows: int, counters: torch.Tensor, **loads):
         self.max_rows = max_rows
         self.counters = counters  # int32 zeros, shared by every launch (each leaves them zero)
-        self.fold_norm = fold_norm  # the add + RMSNorm before qkv and gate-up into the GEMM
         self.loads = loads  # skinny_gemm's tma
 
     def linear(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -158,19 +150,6 @@ class SkinnyGemmOps(TritonOps):
         if gate_up.shape[0] > self.max_rows:
             return TritonOps.gated_linear(layer, gate_up)
         return self._gemm(layer, gate_up, gated=True)
-
-    def norm_linear(self, layer: nn.Linear, x, residual, norm: RMSNorm):
-        """With `fold_norm`, one launch (kernels/skinny_gemm.skinny_norm_gemm) where the
-        projection's tiles take whole rows (no K split), else the norm kernel first."""
-        from kernels.skinny_gemm import skinny_norm_gemm, skinny_tiles
-
-        n, k = layer.weight.shape
-        tiles = skinny_tiles(x.shape[0], n, k)
-        if not self.fold_norm or x.shape[0] > self.max_rows or tiles["split"] != 1:
-            h, total = TritonOps.add_rms_norm(x, residual, norm.weight, norm.eps)
-            return self.linear(layer, h), total
-        args = (x, residual, norm.weight, norm.eps, layer.weight, self.counters)
-        return skinny_norm_gemm(*args, **self.loads, **tiles)
 
     def _gemm(self, layer: nn.Linear, x: torch.Tensor, gated: bool) -> torch.Tensor:
         from kernels.skinny_gemm import skinny_gemm, skinny_tiles
@@ -205,9 +184,9 @@ class Attention(nn.Module):
         self.backend = backend
         self.scale = cfg.head_dim**-0.5
 
-    def forward(self, qkv, positions, kv_cache, rope: RotaryEmbedding, ops):
-        """Attention of the projected `qkv [T, q + 2 kv]`, through o_proj."""
-        t = qkv.shape[0]
+    def forward(self, x, positions, kv_cache, rope: RotaryEmbedding, ops):
+        t = x.shape[0]
+        qkv = ops.linear(self.qkv_proj, x)
         meta = current_metadata()
         if ops.qk_norm_rope_store is not None and self.backend.fuses_decode(meta, kv_cache):
             # one kernel: norms, RoPE, the K/V store and attention
@@ -225,13 +204,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """The SwiGLU MLP's projections; DecoderLayer runs them (the gate-up projection with the
-    norm before it, the down projection with the activation)."""
-
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x, ops):
+        return ops.gated_linear(self.down_proj, ops.linear(self.gate_up_proj, x))
 
 
 class DecoderLayer(nn.Module):
@@ -244,12 +223,12 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, residual, positions, kv_cache, rope, ops):
         """`(x, residual) -> (x, residual)`; the residual sum is carried to the next norm so
-        add and norm run as one step (with the projection after it, where the ops fold it in)."""
-        attn, mlp, post_norm = self.self_attn, self.mlp, self.post_attention_layernorm
-        qkv, residual = ops.norm_linear(attn.qkv_proj, x, residual, self.input_layernorm)
-        h = attn(qkv, positions, kv_cache, rope, ops)
-        gate_up, residual = ops.norm_linear(mlp.gate_up_proj, h, residual, post_norm)
-        return ops.gated_linear(mlp.down_proj, gate_up), residual
+        add and norm run as one step."""
+        eps = self.input_layernorm.eps
+        h, residual = ops.add_rms_norm(x, residual, self.input_layernorm.weight, eps)
+        h = self.self_attn(h, positions, kv_cache, rope, ops)
+        h, residual = ops.add_rms_norm(h, residual, self.post_attention_layernorm.weight, eps)
+        return self.mlp(h, ops), residual
 
 
 class HiggsModel(nn.Module):
@@ -269,15 +248,14 @@ class HiggsModel(nn.Module):
         self.register_buffer("codebook_offsets", offsets, persistent=False)  # [8]
         self.pdl = False  # Triton launches use programmatic dependent launch (EngineConfig.pdl)
 
-    def use_skinny_gemm(self, max_rows: int, tma: bool = False, fold_norm: bool = False):
+    def use_skinny_gemm(self, max_rows: int, tma: bool = False):
         """Projections of up to `max_rows` rows through kernels/skinny_gemm.py
-        (EngineConfig.skinny_gemm_rows, skinny_gemm_tma, skinny_gemm_fold_norm); needs the
-        fused ops."""
+        (EngineConfig.skinny_gemm_rows, skinny_gemm_tma); needs the fused ops."""
         if self.ops is TorchOps:
             raise ValueError("the few-row GEMM needs the fused (Triton) ops")
         device = self.embed_tokens.weight.device
         counters = torch.zeros(4096, dtype=torch.int32, device=device)
-        self.ops = SkinnyGemmOps(max_rows, counters, fold_norm, tma=tma)
+        self.ops = SkinnyGemmOps(max_rows, counters, tma=tma)
 
     def embed_audio(self, rows: torch.Tensor) -> torch.Tensor:
         """Summed audio embedding of rows `[N, 8]`, accumulated in fp32 and rounded once."""

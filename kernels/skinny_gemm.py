@@ -47,36 +47,17 @@ def _x_tile(x_cols, k, m_ok, hi, K, GATED: tl.constexpr, MASK_K: tl.constexpr):
 
 
 @triton.jit
-def _norm_input(x, r, ro_at, write, nw, ok, RESID: tl.constexpr):
-    """One chunk of the input norm folded into the loads: `x (+ r)` rounded as add_rms_norm
-    rounds it (stored at `ro_at` where `write`: the new residual), its squares (summed over
-    K after the loop: a reduction in the loop would synchronise the warps every chunk), and
-    the chunk scaled by the norm weight `nw` (broadcast along K). The row scale 1/rms is
-    applied to the product (`acc`), after the loop."""
-    if RESID:
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-        if write:
-            tl.store(ro_at, x, mask=ok)
-    xf = x.to(tl.float32)
-    return (xf * nw.to(tl.float32)).to(x.dtype), xf * xf
-
-
-@triton.jit
 def _skinny_gemm_kernel(
-    x_ptr, up_ptr, w_ptr, out_ptr, part_ptr, count_ptr, ro_ptr, nw_ptr, eps, M, N, K,
-    stride_xm, stride_wn, stride_om, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    SPLIT: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, GATED: tl.constexpr,
-    TMA: tl.constexpr, NORM: tl.constexpr, RESID: tl.constexpr, PDL: tl.constexpr,
+    x_ptr, up_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K, stride_xm, stride_wn,
+    stride_om, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
+    EVEN_K: tl.constexpr, IEEE: tl.constexpr, GATED: tl.constexpr, TMA: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     # Grid (N / BN, SPLIT). The tile is transposed (acc[n, m] = W[n, :] . x[m, :]) so that the
     # weight's rows are the tensor-core tile's tall side and the few x rows its narrow one.
     # With TMA, x_ptr / up_ptr / w_ptr are tensor descriptors (x and up `[M, K]`, blocks
     # `[BM, BK]`; w `[N, K]`, blocks `[BN, BK]`): the copy engine fetches whole tiles, rows
     # and columns past the ends read as zeros.
-    # NORM (SPLIT 1): the input is rms_norm(x + residual) * nw, the add_rms_norm before the
-    # projection folded in: up_ptr is the residual (RESID; same row stride as x), tile 0's
-    # programs store the sum x + residual at ro_ptr, and every program sums the squares of
-    # the whole rows it streams, so the 1/rms of each row scales its product at the end.
     tile, split = tl.program_id(0), tl.program_id(1)
     n = tile * BN + tl.arange(0, BN)
     m = tl.arange(0, BM)
@@ -90,45 +71,20 @@ def _skinny_gemm_kernel(
     pdl_enter(PDL)
     acc = tl.zeros([BN, BM], tl.float32)
     if TMA:
-        sq = tl.zeros([BM, BK], tl.float32)  # NORM: the squares, summed over K at the end
         for k0 in range(lo, hi, BK):
             w = w_ptr.load([tile * BN, k0])
             x = x_ptr.load([0, k0])
             if GATED:  # x holds [gate | up]
                 x = _silu_mul(x, up_ptr.load([0, k0]))
-            if NORM:
-                k = k0 + tl.arange(0, BK)
-                ro_at = ro_ptr + m[:, None] * stride_xm + k[None, :]
-                r = up_ptr.load([0, k0]) if RESID else x
-                nw = tl.load(nw_ptr + k, mask=k < K, other=0.0)[None, :]
-                ok = m_ok[:, None] & (k < K)[None, :]
-                x, part = _norm_input(x, r, ro_at, tile == 0, nw, ok, RESID)
-                sq += part
             acc = _dot(w, tl.trans(x), acc, IEEE)
     else:
-        sq = tl.zeros([BK, BM], tl.float32)
         for k0 in range(lo, hi, BK):
             k = k0 + tl.arange(0, BK)
             if EVEN_K:
                 w = tl.load(w_rows + k[None, :], mask=n_ok[:, None], other=0.0)
             else:
                 w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < hi)[None, :], other=0.0)
-            if NORM:
-                ok = m_ok[None, :] & (k < K)[:, None]
-                x = tl.load(x_cols + k[:, None], mask=ok, other=0.0)
-                r = x
-                if RESID:
-                    r = tl.load(up_ptr + m[None, :] * stride_xm + k[:, None], mask=ok, other=0.0)
-                ro_at = ro_ptr + m[None, :] * stride_xm + k[:, None]
-                nw = tl.load(nw_ptr + k, mask=k < K, other=0.0)[:, None]
-                x, part = _norm_input(x, r, ro_at, tile == 0, nw, ok, RESID)
-                sq += part
-            else:
-                x = _x_tile(x_cols, k, m_ok, hi, K, GATED, not EVEN_K)
-            acc = _dot(w, x, acc, IEEE)
-    if NORM:  # each row's 1/rms
-        rstd = 1.0 / tl.sqrt(tl.sum(sq, 1 if TMA else 0) / K + eps)
-        acc = acc * rstd[None, :]
+            acc = _dot(w, _x_tile(x_cols, k, m_ok, hi, K, GATED, not EVEN_K), acc, IEEE)
     out_at = out_ptr + m[None, :] * stride_om + n[:, None]
     out_ok = n_ok[:, None] & m_ok[None, :]
     if SPLIT == 1:
@@ -189,93 +145,36 @@ def skinny_gemm(
     the defaults the engine uses; `tma`: tiles fetched by the copy engine (Hopper tensor
     memory access, through tensor descriptors; needs 16-byte aligned rows) instead of
     per-thread loads (faster on the H200 at 1 to 16 rows, slower at 64: docs/PERFORMANCE.md)."""
-    k = weight.shape[1]
-    if x.shape[1] != (2 * k if gated else k):
-        raise ValueError(f"x [M, K], weight [N, K], K contiguous: got {x.shape}, {weight.shape}")
-    second = x[:, k:] if gated else None  # the up half
-    tiles = dict(block_m=block_m, block_n=block_n, block_k=block_k, split=split)
-    knobs = dict(num_warps=num_warps, num_stages=num_stages, tma=tma)
-    return _launch(x[:, :k], second, weight, counters, out, None, tiles, knobs)
-
-
-def skinny_norm_gemm(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    norm_weight: torch.Tensor,
-    eps: float,
-    weight: torch.Tensor,
-    counters: torch.Tensor,
-    out: torch.Tensor | None = None,
-    block_m: int | None = None,
-    block_n: int = 64,
-    block_k: int = 128,
-    num_warps: int = 4,
-    num_stages: int = 4,
-    tma: bool = False,
-    split: int = 1,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(rms_norm(x + residual) * norm_weight @ weight^T, x + residual)`: the decoder's
-    add + RMSNorm before a projection (kernels/norm_rope.add_rms_norm) folded into the GEMM,
-    one launch instead of two. Without a residual the second result is x itself. Each
-    program streams whole rows (no K split), sums their squares on the way and scales its
-    product by each row's 1/rms at the end, so the rounding differs from the two launches
-    (the norm weight multiplies before the product, 1/rms after it). Knobs as `skinny_gemm`."""
-    if split != 1:
-        raise ValueError("the folded norm needs whole rows per program: split must be 1")
-    k = weight.shape[1]
-    if x.shape[1] != k or norm_weight.shape != (k,):
-        raise ValueError(f"x [M, K], norm_weight [K], weight [N, K]: got {x.shape}, "
-                         f"{tuple(norm_weight.shape)}, {weight.shape}")  # fmt: skip
-    if residual is not None and (residual.shape != x.shape or residual.stride() != x.stride()):
-        raise ValueError("residual needs x's shape and strides")
-    total = x if residual is None else torch.empty_like(x)
-    tiles = dict(block_m=block_m, block_n=block_n, block_k=block_k, split=1)
-    knobs = dict(num_warps=num_warps, num_stages=num_stages, tma=tma)
-    norm = (total, norm_weight, eps)
-    return _launch(x, residual, weight, counters, out, norm, tiles, knobs), total
-
-
-def _launch(x, second, weight, counters, out, norm, tiles, knobs) -> torch.Tensor:
-    """One launch of the kernel: `second` is the up half (a plain product: gated) or the
-    residual (with `norm` = (sum out, norm weight, eps))."""
-    m, k = x.shape
+    m, k = x.shape[0], weight.shape[1]
     n = weight.shape[0]
-    if weight.stride(1) != 1 or x.stride(1) != 1:
+    if x.shape[1] != (2 * k if gated else k) or weight.stride(1) != 1 or x.stride(1) != 1:
         raise ValueError(f"x [M, K], weight [N, K], K contiguous: got {x.shape}, {weight.shape}")
     if m > 64:
         raise ValueError(f"skinny_gemm takes at most 64 rows, got {m}")
-    block_m = tiles["block_m"] or max(16, triton.next_power_of_2(m))
-    block_n, block_k, split = tiles["block_n"], tiles["block_k"], tiles["split"]
-    count = triton.cdiv(n, block_n)
-    if split > 1 and (counters.dtype != torch.int32 or counters.numel() < count):
-        raise ValueError(f"counters must be int32 with at least {count} elements")
+    block_m = block_m or max(16, triton.next_power_of_2(m))
+    tiles = triton.cdiv(n, block_n)
+    if split > 1 and (counters.dtype != torch.int32 or counters.numel() < tiles):
+        raise ValueError(f"counters must be int32 with at least {tiles} elements")
     out = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
     parts = out  # unused without a split
     if split > 1:
         parts = torch.empty(split, block_m, n, dtype=torch.float32, device=x.device)
-    x_arg, second_arg, w_arg = x, x if second is None else second, weight
-    if knobs["tma"]:
+    x_arg, up_arg, w_arg = x, x, weight
+    if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         if (x.stride(0) * x.element_size()) % 16 or (k * x.element_size()) % 16:
             raise ValueError("tma needs rows (and for gated, the up half) 16-byte aligned")
-        x_arg = TensorDescriptor.from_tensor(x, [block_m, block_k])
-        if second is not None:
-            second_arg = TensorDescriptor.from_tensor(second, [block_m, block_k])
-        else:
-            second_arg = x_arg
+        x_arg = TensorDescriptor.from_tensor(x[:, :k], [block_m, block_k])
+        up_arg = TensorDescriptor.from_tensor(x[:, k:], [block_m, block_k]) if gated else x_arg
         w_arg = TensorDescriptor.from_tensor(weight, [block_n, block_k])
-    sum_out, norm_weight, eps = norm if norm is not None else (out, out, 0.0)
-    _skinny_gemm_kernel[(count, split)](
+    _skinny_gemm_kernel[(tiles, split)](
         x_arg,
-        second_arg,
+        up_arg,
         w_arg,
         out,
         parts,
         counters,
-        sum_out,
-        norm_weight,
-        eps,
         m,
         n,
         k,
@@ -288,12 +187,10 @@ def _launch(x, second, weight, counters, out, norm, tiles, knobs) -> torch.Tenso
         SPLIT=split,
         EVEN_K=k % block_k == 0,  # whole chunks: every split's columns lie below K
         IEEE=x.dtype == torch.float32,
-        GATED=norm is None and second is not None,
-        TMA=knobs["tma"],
-        NORM=norm is not None,
-        RESID=norm is not None and second is not None,
-        num_warps=knobs["num_warps"],
-        num_stages=knobs["num_stages"],
+        GATED=gated,
+        TMA=tma,
+        num_warps=num_warps,
+        num_stages=num_stages,
         **pdl_launch(),
     )
     return out

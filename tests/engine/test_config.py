@@ -407,10 +407,6 @@ def test_skinny_gemm_rows_is_validated():
         EngineConfig(skinny_gemm_tma=True)  # the CPU
     with pytest.raises(ConfigError, match="skinny_gemm_rows > 0"):
         EngineConfig(device="cuda", skinny_gemm_rows=0, skinny_gemm_tma=True)
-    with pytest.raises(ConfigError, match="skinny_gemm_fold_norm needs fused_kernels"):
-        EngineConfig(device="cuda", fused_kernels=False, skinny_gemm_fold_norm=True)
-    with pytest.raises(ConfigError, match="skinny_gemm_fold_norm needs the few-row GEMM"):
-        EngineConfig(device="cuda", skinny_gemm_rows=0, skinny_gemm_fold_norm=True)
     assert EngineConfig(device="cuda", skinny_gemm_rows=0).skinny_gemm_tma is None
 
 

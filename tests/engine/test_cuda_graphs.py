@@ -286,8 +286,6 @@ def test_pdl_gives_the_same_rows(tiny_ckpt, dtype):
         ("float32", {}),
         ("bfloat16", {}),
         ("bfloat16", {"skinny_gemm_tma": False}),
-        ("bfloat16", {"skinny_gemm_fold_norm": True}),
-        ("bfloat16", {"skinny_gemm_fold_norm": True, "skinny_gemm_tma": False}),
     ],
 )
 def test_skinny_gemm_graphs_equal_eager(tiny_ckpt, dtype, loads):
@@ -298,11 +296,9 @@ def test_skinny_gemm_graphs_equal_eager(tiny_ckpt, dtype, loads):
     texts = [f"few-row gemm {i}" for i in range(6)]
     params = [SamplingParams(seed=60 + i, max_rows=22 + 3 * i) for i in range(6)]
     base = dict(device="cuda", dtype=dtype, max_num_seqs=8, num_kv_blocks=512)
-    base.update(loads)  # per-thread loads instead of the TMA tiles; the norms folded in
+    base.update(loads)  # per-thread loads instead of the TMA tiles
     rows = {}
     for skinny, graphs in [(None, True), (None, False), (0, True)]:
-        if skinny == 0:  # cuBLAS: no few-row GEMM knobs
-            base = {k: v for k, v in base.items() if not k.startswith("skinny")}
         config = EngineConfig(skinny_gemm_rows=skinny, cuda_graphs=graphs, **base)
         engine = Engine.from_pretrained(tiny_ckpt, config)
         ops = engine.model.ops
@@ -315,7 +311,6 @@ def test_skinny_gemm_graphs_equal_eager(tiny_ckpt, dtype, loads):
             # auto: TMA tiles on a GPU of compute capability 9.0+ (the tiny shapes are aligned)
             tma = torch.cuda.get_device_capability() >= (9, 0)
             assert ops.loads["tma"] is loads.get("skinny_gemm_tma", tma)
-            assert ops.fold_norm is loads.get("skinny_gemm_fold_norm", False)
     assert rows[None, True] == rows[None, False]
     assert all(len(r) > 0 for r in rows[None, True])
 

@@ -126,31 +126,23 @@ def test_fused_ops_equal_torch_ops(backend, layout, fuse_decode, prefetch, monke
         (64, 2 * 4 * 2, {}),
         (3, 2 * 4, {}),
         (64, 2 * 4 * 2, {"tma": True}),
-        (64, 2 * 4 * 2, {"fold_norm": True}),
-        (3, 2 * 4, {"fold_norm": True, "tma": True}),
     ],
 )
 def test_skinny_gemm_projections_equal_torch_ops(skinny_rows, launches, loads, monkeypatch):
     """`skinny_gemm_rows`: the four projections of each layer through kernels/skinny_gemm.py
-    (the down projection with the MLP's activation folded in; with `fold_norm` the qkv and
-    gate-up projections with the add + RMSNorm before them) for steps of up to that many
+    (the down projection with the MLP's activation folded in) for steps of up to that many
     tokens (here the 9-token prefill and the 3-token decode step, or only the decode step),
     the same hidden states and caches as the torch ops."""
     import kernels.skinny_gemm
 
     ref_hidden, ref_caches = _run(False, "torch")
-    calls, norm_calls = [], []
-    for name, log in (("skinny_gemm", calls), ("skinny_norm_gemm", norm_calls)):
-        original = getattr(kernels.skinny_gemm, name)
-        monkeypatch.setattr(
-            kernels.skinny_gemm,
-            name,
-            lambda *a, f=original, log=log, **k: log.append(1) or f(*a, **k),
-        )
+    calls = []
+    original = kernels.skinny_gemm.skinny_gemm
+    monkeypatch.setattr(
+        kernels.skinny_gemm, "skinny_gemm", lambda *a, **k: calls.append(1) or original(*a, **k)
+    )
     hidden, caches = _run(True, "triton", skinny_rows=skinny_rows, skinny_loads=loads)
-    # 2 layers x 4 projections per step taken; with fold_norm half of them with the norm
-    assert len(calls) + len(norm_calls) == launches
-    assert len(norm_calls) == (launches // 2 if loads.get("fold_norm") else 0)
+    assert len(calls) == launches  # 2 layers x 4 projections per step taken
     torch.testing.assert_close(hidden, ref_hidden, rtol=1e-5, atol=1e-5)
     for cache, ref in zip(caches, ref_caches, strict=True):
         torch.testing.assert_close(cache[:, 1:], ref[:, 1:], rtol=1e-5, atol=1e-5)

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.skinny_gemm import skinny_gemm, skinny_norm_gemm, skinny_tiles
+from kernels.skinny_gemm import skinny_gemm, skinny_tiles
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 LOADS = {"pointer": {}, "tma": {"tma": True}}
@@ -73,58 +73,6 @@ def test_gated_folds_silu_mul_into_the_loads(dtype, loads):
     torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
     with pytest.raises(ValueError, match="K contiguous"):
         skinny_gemm(gate_up[:, :96], w, counters, gated=True)  # no up half
-
-
-def _norm_operands(m, k, dtype, seed):
-    g = torch.Generator().manual_seed(seed)
-    x, r = (torch.randn(m, k, generator=g).to(DEVICE, dtype) for _ in range(2))
-    norm_w = (1 + 0.3 * torch.randn(k, generator=g)).to(DEVICE, dtype)
-    return x, r, norm_w
-
-
-def _norm_reference(x, residual, norm_w, eps, w):
-    """add_rms_norm (kernels/norm_rope.py's reference rounding) then the product in fp32."""
-    from kernels.norm_rope import add_rms_norm_reference
-
-    h, total = add_rms_norm_reference(x, residual, norm_w, eps)
-    return F.linear(h.float(), w.float()), total
-
-
-@pytest.mark.parametrize(
-    "m,n,k,block_n,block_k",
-    [(1, 48, 64, 16, 32), (3, 40, 96, 16, 32), (5, 64, 80, 32, 32), (17, 32, 64, 32, 16)],
-)
-@pytest.mark.parametrize("loads", ["pointer", "tma"])
-@pytest.mark.parametrize("with_residual", [True, False])
-def test_norm_folded_into_the_gemm(m, n, k, block_n, block_k, loads, with_residual):
-    """`skinny_norm_gemm`: add + RMSNorm before the product in one launch: the product within
-    rounding of the two steps, the residual sum exactly add_rms_norm's (ragged N and K, rows
-    padded, the norm weight applied before the product and 1/rms after it)."""
-    x, r, norm_w = _norm_operands(m, k, torch.float32, seed=m)
-    _, w = _operands(1, n, k, torch.float32, seed=k)
-    residual = r if with_residual else None
-    counters = torch.zeros(8, dtype=torch.int32, device=DEVICE)
-    knobs = dict(block_n=block_n, block_k=block_k, num_stages=2, **LOADS[loads])
-    out, total = skinny_norm_gemm(x, residual, norm_w, 1e-6, w, counters, **knobs)
-    ref, ref_total = _norm_reference(x, residual, norm_w, 1e-6, w)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    assert torch.equal(total, ref_total)
-    assert (total is x) is not with_residual  # without a residual the sum is x itself
-    again = skinny_norm_gemm(x, residual, norm_w, 1e-6, w, counters, **knobs)
-    assert torch.equal(again[0], out)
-
-
-def test_norm_gemm_refuses_what_it_cannot_do():
-    x, r, norm_w = _norm_operands(2, 64, torch.float32, seed=0)
-    _, w = _operands(1, 32, 64, torch.float32)
-    counters = torch.zeros(4, dtype=torch.int32, device=DEVICE)
-    with pytest.raises(ValueError, match="split must be 1"):
-        skinny_norm_gemm(x, r, norm_w, 1e-6, w, counters, split=2)
-    with pytest.raises(ValueError, match="norm_weight"):
-        skinny_norm_gemm(x, r, norm_w[:32], 1e-6, w, counters)
-    wide = torch.zeros(2, 128, device=DEVICE)
-    with pytest.raises(ValueError, match="strides"):
-        skinny_norm_gemm(x, wide[:, :64], norm_w, 1e-6, w, counters)
 
 
 def test_refuses_what_it_cannot_do():
@@ -192,19 +140,6 @@ def test_higgs_shapes_on_the_gpu(m, loads, n, k):
     with use_pdl(True):  # launched as the engine launches it
         assert torch.equal(skinny_gemm(x, w, counters, **tiles), out)
     assert int(counters.abs().sum()) == 0
-    if (n, k) in ((6144, 2560), (19456, 2560)) and m <= 16:  # qkv, gate-up: the norm folded in
-        from kernels.norm_rope import add_rms_norm
-
-        x, r, norm_w = _norm_operands(m, k, torch.bfloat16, seed=m + 2)
-        folded, total = skinny_norm_gemm(x, r, norm_w, 1e-6, w, counters, **tiles)
-        h, ref_total = add_rms_norm(x, r, norm_w, 1e-6)
-        assert torch.equal(total, ref_total)
-        ref = F.linear(h.float(), w.float())
-        err = float((folded.float() - ref).norm() / ref.norm())
-        assert err < 6e-3, err  # rounding: the norm weight before the product, 1/rms after
-        with use_pdl(True):
-            again = skinny_norm_gemm(x, r, norm_w, 1e-6, w, counters, **tiles)[0]
-        assert torch.equal(again, folded)
     if n == 2560 and k == 9728:  # down: the MLP's activation folded in
         from kernels.norm_rope import silu_mul
 
