@@ -112,6 +112,11 @@ SWEEP = [  # (block_n, block_k, num_stages, num_warps, tma)
     (128, 64, 6, 4, True),
     (64, 64, 8, 4, True),
     (128, 128, 3, 8, True),
+    (64, 256, 3, 4, True),  # the engine's per-thread tiles for wide outputs, through TMA
+    (64, 256, 4, 4, True),
+    (32, 256, 6, 4, True),
+    (128, 256, 2, 8, True),
+    (64, 128, 6, 4, True),
 ]
 
 
