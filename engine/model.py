@@ -155,7 +155,7 @@ class SkinnyGemmOps(TritonOps):
         from kernels.skinny_gemm import skinny_gemm, skinny_tiles
 
         n, k = layer.weight.shape
-        tiles = skinny_tiles(x.shape[0], n, k)
+        tiles = skinny_tiles(x.shape[0], n, k, self.loads.get("tma", False))
         return skinny_gemm(x, layer.weight, self.counters, gated=gated, **self.loads, **tiles)
 
 

@@ -104,23 +104,28 @@ def _skinny_gemm_kernel(
             tl.store(out_at, total.to(out_ptr.dtype.element_ty), mask=out_ok)
 
 
-def skinny_tiles(m: int, n: int, k: int) -> dict:
+def skinny_tiles(m: int, n: int, k: int, tma: bool = False) -> dict:
     """Default tile settings for an `[m, k] @ [n, k]^T` product, from the H200 sweep at one
     row (benchmarks/gemm_shapes.py --ours, docs/PERFORMANCE.md). Wide outputs (96+ tiles of
     64 weight rows) are not split and stream 256 columns a step; narrow ones with a long K
     are split about every 1,600 columns (tiles of 128 rows from K = 8,192). These rules give
     the sweep's best setting at each Higgs projection (qkv, o, gate-up, down, audio head).
-    Taller x tiles (more than 16 rows) drop pipeline stages to fit the shared memory."""
+    With `tma` the wide outputs take the TMA sweep's best at one row instead (qkv: four
+    stages; gate-up, 19,456 rows: 128-row tiles of 128 columns, eight warps). Taller x tiles
+    (more than 16 rows) drop pipeline stages to fit the shared memory."""
     bm = max(16, triton.next_power_of_2(m))
-    if triton.cdiv(n, 64) >= 96:
-        bn, bk, split, stages = 64, 256, 1, 3
+    warps = 4
+    if triton.cdiv(n, 64) >= 96 and tma and n >= 16384:
+        bn, bk, split, stages, warps = 128, 128, 1, 3, 8
+    elif triton.cdiv(n, 64) >= 96:
+        bn, bk, split, stages = 64, 256, 1, 4 if tma else 3
     else:
         bn, bk, stages = (128 if k >= 8192 else 64), 128, 4
         split = max(1, min(triton.cdiv(k, 128), round(k / 1600)))
     # each stage holds a weight and an x tile; the epilogue an fp32 [bn, bm] tile
     while stages > 2 and stages * (bn + bm) * bk * 2 + bn * bm * 4 > 220 * 1024:
         stages -= 1
-    return dict(block_m=bm, block_n=bn, block_k=bk, split=split, num_warps=4, num_stages=stages)
+    return dict(block_m=bm, block_n=bn, block_k=bk, split=split, num_warps=warps, num_stages=stages)
 
 
 def skinny_gemm(

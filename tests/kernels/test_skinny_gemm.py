@@ -12,6 +12,12 @@ from kernels.skinny_gemm import skinny_gemm, skinny_tiles
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 LOADS = {"pointer": {}, "tma": {"tma": True}}
+HIGGS = [  # projection, N, K
+    ("qkv", 6144, 2560),
+    ("o_proj", 2560, 4096),
+    ("gate_up", 19456, 2560),
+    ("down", 2560, 9728),
+]
 
 
 def _operands(m, n, k, dtype, seed=0):
@@ -114,6 +120,12 @@ def test_default_tiles_are_the_h200_sweeps_best():
     # on the H200 (227 KB there): three
     assert skinny_tiles(64, 2560, 9728)["num_stages"] == 3
     assert skinny_tiles(64, 6144, 2560)["num_stages"] == 3  # 208 KB: fits
+    # TMA tiles: the TMA sweep's best at one row for the wide outputs (the others as above)
+    tma = {name: skinny_tiles(1, n, k, tma=True) for name, n, k in HIGGS}
+    assert [tma["qkv"][x] for x in ("block_n", "block_k", "num_stages")] == [64, 256, 4]
+    gate_up = [tma["gate_up"][x] for x in ("block_n", "block_k", "num_stages", "num_warps")]
+    assert gate_up == [128, 128, 3, 8]
+    assert tma["down"] == skinny_tiles(1, 2560, 9728)
 
 
 @pytest.mark.cuda
@@ -128,7 +140,7 @@ def test_default_tiles_are_the_h200_sweeps_best():
 def test_higgs_shapes_on_the_gpu(m, loads, n, k):
     x, w = _operands(m, n, k, torch.bfloat16, seed=m)
     counters = torch.zeros(1024, dtype=torch.int32, device=DEVICE)
-    tiles = dict(skinny_tiles(m, n, k), **LOADS[loads])
+    tiles = dict(skinny_tiles(m, n, k, loads == "tma"), **LOADS[loads])
     out = skinny_gemm(x, w, counters, **tiles)
     ref = F.linear(x.float(), w.float())
     err = float((out.float() - ref).norm() / ref.norm())

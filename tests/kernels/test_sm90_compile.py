@@ -82,7 +82,7 @@ def _gemm_case(rows: int, n: int, k: int, gated: bool, loads: str):
     """The few-row GEMM as `skinny_gemm` launches it for this shape (`skinny_tiles`)."""
     from kernels.skinny_gemm import skinny_tiles
 
-    tiles = skinny_tiles(rows, n, k)
+    tiles = skinny_tiles(rows, n, k, tma=loads == "tma")
     bm, bn, bk = tiles["block_m"], tiles["block_n"], tiles["block_k"]
     constexprs = dict(
         BM=bm, BN=bn, BK=bk, SPLIT=tiles["split"], EVEN_K=k % bk == 0, IEEE=False, GATED=gated,
