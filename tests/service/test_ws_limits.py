@@ -86,8 +86,9 @@ def test_messages_and_running_audio_keep_a_connection_open(idle_server):
             for _ in range(5):  # 2 s of pings, each well within the 1 s timeout
                 await asyncio.sleep(0.4)
                 await assert_alive(ws)
-            # an utterance whose generation outlasts the idle timeout is not cut off
-            await ws.send(speak("long", dur=6.0, seed=3))
+            # an utterance whose generation outlasts the idle timeout is not cut off (20 s of
+            # audio: 6 s took 0.96 s on one fast CI machine, under the timeout it must outlast)
+            await ws.send(speak("long", dur=20.0, seed=3))
             t0 = time.monotonic()
             u = (await collect(ws, ["long"]))["long"]
             generating = time.monotonic() - t0
@@ -96,7 +97,7 @@ def test_messages_and_running_audio_keep_a_connection_open(idle_server):
 
     u, generating, code, got = run(main())
     check_complete(u)
-    assert generating > 1.0, "the utterance should take longer than the idle timeout"
+    assert generating > 1.0, f"the utterance should outlast the idle timeout ({generating:.2f} s)"
     assert code == 4408 and got == []
 
 
