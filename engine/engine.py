@@ -20,6 +20,7 @@ import torch
 
 from engine.attention import make_backend
 from engine.audio_output import AudioOutput, RequestOutput
+from engine.auto_settings import resolve_dtype, resolve_pdl, resolve_skinny_tma
 from engine.block_manager import BlockManager
 from engine.checkpoint_writer import UNTRAINED_NOTICE, default_model_dir
 from engine.codec.audio_io import AudioLimits
@@ -68,7 +69,7 @@ class Engine:
         self.checkpoint = checkpoint
         self.is_default_model = is_default
         device = torch.device(config.device)
-        dtype = _resolve_dtype(config.dtype, device)
+        dtype = resolve_dtype(config.dtype, device)
         self.tokenizer = HiggsTokenizer(checkpoint)
         backend = config.attention_backend
         if backend == "auto":
@@ -78,14 +79,14 @@ class Engine:
         attention.fuse_decode = config.fused_decode_attention is not False  # where it applies
         attention.prefetch_pages = config.attention_prefetch_pages
         self.model, self.codec_keys = load_model(checkpoint, attention, device, dtype, fused)
-        self.model.pdl = _resolve_pdl(config.pdl, fused, device)
+        self.model.pdl = resolve_pdl(config.pdl, fused, device)
         skinny_rows = config.skinny_gemm_rows
         if skinny_rows is None:  # auto: few-row steps, where the kernel beats cuBLAS
             skinny_rows = 16 if fused else 0
         if skinny_rows:
             if not fused:
                 raise ConfigError("skinny_gemm_rows needs fused kernels on a CUDA device")
-            tma = _resolve_skinny_tma(config.skinny_gemm_tma, self.model, device)
+            tma = resolve_skinny_tma(config.skinny_gemm_tma, self.model, device)
             self.model.use_skinny_gemm(skinny_rows, tma=tma)
         if config.max_model_len > self.model.config.max_position_embeddings:
             raise ConfigError(
@@ -471,35 +472,3 @@ def _load_codec(path: Path, config: EngineConfig, device: torch.device, required
             raise
         log.warning("no codec loaded (%s): requests produce codes only", exc)
         return None
-
-
-def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, name)
-
-
-def _resolve_skinny_tma(setting: bool | None, model, device: torch.device) -> bool:
-    """EngineConfig.skinny_gemm_tma: None -> wherever it applies; True -> required. TMA tiles
-    need compute capability 9.0+ and every projection's input rows 16-byte aligned."""
-    cfg = model.config
-    inputs = (cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size)
-    item = model.embed_tokens.weight.element_size()
-    aligned = all(k * item % 16 == 0 for k in inputs)
-    supported = aligned and torch.cuda.get_device_capability(device) >= (9, 0)
-    if setting is True and not supported:
-        raise ConfigError(
-            "skinny_gemm_tma=True needs a GPU of compute capability 9.0+ and projection "
-            f"inputs of 16-byte rows (got {inputs} x {item} bytes)"
-        )
-    return supported if setting is None else bool(setting)
-
-
-def _resolve_pdl(setting: bool | None, fused: bool, device: torch.device) -> bool:
-    """EngineConfig.pdl: None -> wherever it applies; True -> required."""
-    from kernels.launch import pdl_supported
-
-    supported = fused and pdl_supported(device)
-    if setting is True and not supported:
-        raise ConfigError("pdl=True needs fused kernels on a GPU of compute capability 9.0+")
-    return supported if setting is None else bool(setting)

@@ -39,12 +39,17 @@ def pdl_launch() -> dict:
     return {"PDL": False}
 
 
-def pdl_supported(device) -> bool:
-    """PDL needs a CUDA device of compute capability 9.0 or later."""
+def hopper_or_later(device) -> bool:
+    """A CUDA device of compute capability 9.0 or later (PDL, TMA tensor descriptors)."""
     import torch
 
     device = torch.device(device)
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def pdl_supported(device) -> bool:
+    """PDL needs a CUDA device of compute capability 9.0 or later."""
+    return hopper_or_later(device)
 
 
 @triton.jit

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import pdl_enter, pdl_launch
+from kernels.launch import hopper_or_later, pdl_enter, pdl_launch
 
 
 @triton.jit
@@ -103,6 +103,12 @@ def _skinny_gemm_kernel(
             for s in tl.static_range(SPLIT):
                 total += tl.load(part_at + s * BM * N, mask=out_ok, other=0.0, cache_modifier=".cg")
             tl.store(out_at, total.to(out_ptr.dtype.element_ty), mask=out_ok)
+
+
+def tma_supported(device, element_size: int, *row_lengths: int) -> bool:
+    """Whether `skinny_gemm(tma=True)` can serve inputs with these row lengths (K, elements of
+    `element_size` bytes) on `device`: compute capability 9.0+ and 16-byte rows."""
+    return hopper_or_later(device) and all(n * element_size % 16 == 0 for n in row_lengths)
 
 
 def skinny_tiles(m: int, n: int, k: int, tma: bool = False) -> dict:

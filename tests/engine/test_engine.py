@@ -196,10 +196,35 @@ def test_a_float8_kv_cache_serves_requests_end_to_end(tiny_ckpt, layout):
 
 
 def test_pdl_resolves_off_without_a_hopper_gpu_and_refuses_to_be_forced():
+    from engine.auto_settings import resolve_pdl
     from engine.config import ConfigError
-    from engine.engine import _resolve_pdl
 
     cpu = torch.device("cpu")
-    assert _resolve_pdl(None, False, cpu) is False and _resolve_pdl(False, True, cpu) is False
+    assert resolve_pdl(None, False, cpu) is False and resolve_pdl(False, True, cpu) is False
     with pytest.raises(ConfigError, match="compute capability 9.0"):
-        _resolve_pdl(True, True, cpu)
+        resolve_pdl(True, True, cpu)
+
+
+def test_skinny_tma_resolves_off_where_it_cannot_apply_and_refuses_to_be_forced():
+    """`skinny_gemm_tma`: None -> off without a Hopper GPU (here the CPU) or with projection
+    rows that are not whole 16-byte units; True there is a configuration error."""
+    from engine.attention import make_backend
+    from engine.auto_settings import resolve_skinny_tma
+    from engine.config import ConfigError, ModelConfig
+    from engine.model import HiggsModel
+    from kernels.skinny_gemm import tma_supported
+
+    cfg = ModelConfig(
+        hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16,
+        intermediate_size=128, vocab_size=100, rms_norm_eps=1e-6, rope_theta=1e6,
+        max_position_embeddings=64,
+    )  # fmt: skip
+    model = HiggsModel(cfg, make_backend("torch"))
+    cpu = torch.device("cpu")
+    assert resolve_skinny_tma(None, model, cpu) is False
+    assert resolve_skinny_tma(False, model, cpu) is False
+    with pytest.raises(ConfigError, match="compute capability 9.0"):
+        resolve_skinny_tma(True, model, cpu)
+    assert not tma_supported(cpu, 4, 64)
+    if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9:
+        assert tma_supported("cuda", 2, 2560, 4096) and not tma_supported("cuda", 2, 2562)
