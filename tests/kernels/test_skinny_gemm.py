@@ -135,7 +135,8 @@ def test_default_tiles_are_the_h200_sweeps_best():
     [(m, "pointer") for m in (1, 2, 8, 33, 64)] + [(m, "tma") for m in (1, 2, 8, 16, 64)],
 )
 @pytest.mark.parametrize(
-    "n,k", [(6144, 2560), (2560, 4096), (19456, 2560), (2560, 9728), (8208, 2560)]
+    "n,k",
+    [(n, k) for _, n, k in HIGGS] + [(8208, 2560)],  # + the audio head
 )
 def test_higgs_shapes_on_the_gpu(m, loads, n, k):
     x, w = _operands(m, n, k, torch.bfloat16, seed=m)
