@@ -166,14 +166,14 @@ def _ours(x, ws) -> tuple[float, float, str]:
 
 STREAM_SWEEP = [  # (block_n, block_k, num_stages, num_warps, programs per multiprocessor)
     (128, 128, 4, 4, 1),
-    (128, 128, 3, 8, 1),
     (64, 128, 4, 4, 1),
-    (64, 128, 4, 4, 2),
     (64, 256, 3, 4, 1),
-    (128, 64, 6, 4, 1),
-    (128, 64, 4, 4, 2),
-    (256, 64, 4, 8, 1),
-    (64, 64, 6, 4, 2),
+    (64, 256, 4, 4, 1),  # as deep as the split-K kernel's qkv tiles (1 to 16 rows)
+    (64, 256, 5, 4, 1),
+    (64, 256, 4, 4, 0.73),  # 96 programs: as many as the split-K kernel's qkv launch
+    (128, 128, 5, 4, 1),
+    (64, 128, 8, 4, 1),
+    (64, 128, 4, 4, 2),
 ]
 
 
@@ -196,10 +196,12 @@ def _stream(x, ws) -> tuple[float, float, str]:
 
     results = []
     for bn, bk, stages, warps, per_sm in STREAM_SWEEP:
-        kw = dict(block_n=bn, block_k=bk, num_stages=stages, num_warps=warps, programs=per_sm * sms)
-        label = f"BN={bn} BK={bk} s={stages} w={warps} programs={per_sm}x"
+        programs = int(per_sm * sms)
+        kw = dict(block_n=bn, block_k=bk, num_stages=stages, num_warps=warps, programs=programs)
+        label = f"BN={bn} BK={bk} s={stages} w={warps} programs={programs}"
         try:
             results.append((timed(kw), label))
+            print(f"stream-K {m} x {n} x {k} {label}: {results[-1][0] * 1e3:.1f} us", flush=True)
         except Exception as err:  # a setting that does not fit (shared memory): skipped
             print(f"{label}: {type(err).__name__}: {str(err)[:120]}")
     best = min(results)
