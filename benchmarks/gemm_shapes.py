@@ -3,10 +3,9 @@ replayed from a CUDA graph (as the engine runs it), and in graphs two other ways
 for the same product: the weight stored transposed (`x @ W^T` as an NN GEMM, other kernels)
 and cuBLASLt instead of cuBLAS (`torch.backends.cuda.preferred_blas_library`). Prints
 achieved weight bandwidth. `--tunable` adds PyTorch's TunableOp, `--ours` our split-K GEMM
-(kernels/skinny_gemm.py) at its default tiles and the best of a small sweep, `--stream` the
-stream-K GEMM (kernels/stream_k_gemm.py) likewise, in graphs.
+(kernels/skinny_gemm.py) at its default tiles and the best of a small sweep, in graphs.
 
-    python benchmarks/gemm_shapes.py [--batches 1,32,64,128] [--ours] [--stream] [--tunable]
+    python benchmarks/gemm_shapes.py [--batches 1,32,64,128] [--ours] [--tunable]
 """
 
 from __future__ import annotations
@@ -53,15 +52,12 @@ def main() -> None:
         "--ours", action="store_true", help="also our split-K GEMM (kernels/skinny_gemm.py)"
     )
     ap.add_argument(
-        "--stream", action="store_true", help="also the stream-K GEMM (kernels/stream_k_gemm.py)"
-    )
-    ap.add_argument(
         "--tunable",
         action="store_true",
         help="also PyTorch TunableOp",
     )
     args = ap.parse_args()
-    rows, ours, stream = [], [], []
+    rows, ours = [], []
     for name, (n, k) in SHAPES.items():
         if args.shapes and name not in args.shapes.split(","):
             continue
@@ -79,9 +75,6 @@ def main() -> None:
             rows.append((name, m, n * k * 2 / 1e9, eager, cublas, nn, lt, tuned))
             if args.ours and m <= 64:
                 ours.append((name, m, n * k * 2 / 1e9, cublas, *_ours(x, ws)))
-            if args.stream and m <= 128:
-                stream.append((name, m, n * k * 2 / 1e9, cublas, *_stream(x, ws)))
-                print("(stream-K so far)", stream[-1], flush=True)  # kept if the call times out
         del ws, wts
     head = ("gemm", "M", "eager us", "graph us", "TB/s", "NN us", "TB/s", "Lt us", "TB/s")
     print(
@@ -95,16 +88,11 @@ def main() -> None:
             f"{nn * 1e3:>8.1f}{gb / nn:>6.2f}{lt * 1e3:>8.1f}{gb / lt:>6.2f}"
             f"{tu * 1e3:>10.1f}{gb / tu:>6.2f}"
         )
-    for title, table in (
-        ("our split-K GEMM in graphs (default: the engine's TMA tiles; best of the sweep)", ours),
-        ("the stream-K GEMM in graphs (default: stream_k_tiles, TMA; best of the sweep)", stream),
-    ):
-        if not table:
-            continue
-        print("\n" + title)
+    if ours:
+        print("\nour split-K GEMM in graphs (default: the engine's TMA tiles; best of the sweep)")
         fmt = "{:<11}{:>5}{:>10}{:>12}{:>6}{:>9}{:>6}  {}"
         print(fmt.format("gemm", "M", "cuBLAS us", "default us", "TB/s", "best us", "TB/s", "best"))
-        for name, m, gb, cub, default, best, label in table:
+        for name, m, gb, cub, default, best, label in ours:
             print(
                 f"{name:<11}{m:>5}{cub * 1e3:>10.1f}{default * 1e3:>12.1f}{gb / default:>6.2f}"
                 f"{best * 1e3:>9.1f}{gb / best:>6.2f}  {label}"
@@ -162,50 +150,6 @@ def _ours(x, ws) -> tuple[float, float, str]:
                 print(f"{label}: {type(err).__name__}: {str(err)[:120]}")
     best = min(results)
     return timed(default), best[0], best[1]
-
-
-STREAM_SWEEP = [  # (block_n, block_k, num_stages, num_warps, programs per multiprocessor)
-    (128, 128, 4, 4, 1),
-    (64, 128, 4, 4, 1),
-    (64, 256, 3, 4, 1),
-    (64, 256, 4, 4, 1),  # as deep as the split-K kernel's qkv tiles (1 to 16 rows)
-    (64, 256, 5, 4, 1),
-    (64, 256, 4, 4, 0.73),  # 96 programs: as many as the split-K kernel's qkv launch
-    (128, 128, 5, 4, 1),
-    (64, 128, 8, 4, 1),
-    (64, 128, 4, 4, 2),
-]
-
-
-def _stream(x, ws) -> tuple[float, float, str]:
-    """(default ms, best ms, best label) of kernels/stream_k_gemm.py (TMA) for this shape,
-    checked against F.linear; the sweep: STREAM_SWEEP."""
-    from kernels.stream_k_gemm import stream_k_gemm, stream_k_tiles
-
-    m, (n, k) = x.shape[0], ws[0].shape
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    counters = torch.zeros(4096, dtype=torch.int32, device="cuda")
-    ref = F.linear(x.float(), ws[0].float())
-
-    def timed(kw) -> float:
-        out = stream_k_gemm(x, ws[0], counters, tma=True, **kw)
-        err = float((out.float() - ref).norm() / ref.norm())
-        if err > 1e-2:
-            raise AssertionError(f"stream_k_gemm {kw}: rel err {err:.2e}")
-        return bench(graphed(lambda: [stream_k_gemm(x, w, counters, tma=True, **kw) for w in ws]))
-
-    results = []
-    for bn, bk, stages, warps, per_sm in STREAM_SWEEP:
-        programs = int(per_sm * sms)
-        kw = dict(block_n=bn, block_k=bk, num_stages=stages, num_warps=warps, programs=programs)
-        label = f"BN={bn} BK={bk} s={stages} w={warps} programs={programs}"
-        try:
-            results.append((timed(kw), label))
-            print(f"stream-K {m} x {n} x {k} {label}: {results[-1][0] * 1e3:.1f} us", flush=True)
-        except Exception as err:  # a setting that does not fit (shared memory): skipped
-            print(f"{label}: {type(err).__name__}: {str(err)[:120]}")
-    best = min(results)
-    return timed(stream_k_tiles(m, n, k)), best[0], best[1]
 
 
 def _tuned(x, ws) -> float:

@@ -195,10 +195,6 @@ class EngineConfig:
     # 9.0+, projections with 16-byte aligned rows; on the H200 the batch-1 step went 3.11 ->
     # 2.99 ms); True: required; False: per-thread loads.
     skinny_gemm_tma: bool | None = None
-    # The few-row GEMM cuts its (output tile, K chunk) units into one equal share per
-    # multiprocessor (kernels/stream_k_gemm.py) instead of launching tiles x K splits; it
-    # also serves up to 128 rows (skinny_gemm_rows up to 128).
-    skinny_gemm_stream_k: bool = False
     cuda_graphs: bool = True  # FULL backbone graphs (CUDA with the Triton backend); False: eager
     # The host schedules and launches step N+1 before it reads step N's rows (one step in
     # flight); False: each step's rows are read before the next step is scheduled.
@@ -265,12 +261,8 @@ class EngineConfig:
             )
         if self.pdl is True and (self.device == "cpu" or not self.fused_kernels):
             raise ConfigError("pdl needs fused_kernels on a CUDA device (compute capability 9+)")
-        most = 128 if self.skinny_gemm_stream_k else 64
-        if self.skinny_gemm_rows is not None and not 0 <= self.skinny_gemm_rows <= most:
-            raise ConfigError(
-                f"skinny_gemm_rows must be in 0..{most} (0..128 with skinny_gemm_stream_k), "
-                f"got {self.skinny_gemm_rows}"
-            )
+        if self.skinny_gemm_rows is not None and not 0 <= self.skinny_gemm_rows <= 64:
+            raise ConfigError(f"skinny_gemm_rows must be in 0..64, got {self.skinny_gemm_rows}")
         if self.skinny_gemm_rows and (self.device == "cpu" or not self.fused_kernels):
             raise ConfigError("skinny_gemm_rows needs fused_kernels on a CUDA device")
         if self.skinny_gemm_tma and (self.device == "cpu" or not self.fused_kernels):

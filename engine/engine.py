@@ -87,7 +87,7 @@ class Engine:
             if not fused:
                 raise ConfigError("skinny_gemm_rows needs fused kernels on a CUDA device")
             tma = resolve_skinny_tma(config.skinny_gemm_tma, self.model, device)
-            self.model.use_skinny_gemm(skinny_rows, tma=tma, stream_k=config.skinny_gemm_stream_k)
+            self.model.use_skinny_gemm(skinny_rows, tma=tma)
         if config.max_model_len > self.model.config.max_position_embeddings:
             raise ConfigError(
                 f"max_model_len {config.max_model_len} exceeds the model's "

@@ -135,11 +135,10 @@ class SkinnyGemmOps(TritonOps):
     (kernels/skinny_gemm.py) instead of cuBLAS. The row count of a step is fixed per captured
     graph, so the choice is made once per shape."""
 
-    def __init__(self, max_rows: int, counters: torch.Tensor, stream_k: bool = False, **loads):
+    def __init__(self, max_rows: int, counters: torch.Tensor, **loads):
         self.max_rows = max_rows
         self.counters = counters  # int32 zeros, shared by every launch (each leaves them zero)
-        self.stream_k = stream_k  # kernels/stream_k_gemm.py instead of the split-K kernel
-        self.loads = loads  # tma
+        self.loads = loads  # skinny_gemm's tma
 
     def linear(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > self.max_rows:
@@ -153,14 +152,9 @@ class SkinnyGemmOps(TritonOps):
         return self._gemm(layer, gate_up, gated=True)
 
     def _gemm(self, layer: nn.Linear, x: torch.Tensor, gated: bool) -> torch.Tensor:
-        n, k = layer.weight.shape
-        if self.stream_k:
-            from kernels.stream_k_gemm import stream_k_gemm, stream_k_tiles
-
-            tiles = stream_k_tiles(x.shape[0], n, k)
-            return stream_k_gemm(x, layer.weight, self.counters, gated=gated, **self.loads, **tiles)
         from kernels.skinny_gemm import skinny_gemm, skinny_tiles
 
+        n, k = layer.weight.shape
         tiles = skinny_tiles(x.shape[0], n, k, self.loads.get("tma", False))
         return skinny_gemm(x, layer.weight, self.counters, gated=gated, **self.loads, **tiles)
 
@@ -254,15 +248,14 @@ class HiggsModel(nn.Module):
         self.register_buffer("codebook_offsets", offsets, persistent=False)  # [8]
         self.pdl = False  # Triton launches use programmatic dependent launch (EngineConfig.pdl)
 
-    def use_skinny_gemm(self, max_rows: int, tma: bool = False, stream_k: bool = False):
-        """Projections of up to `max_rows` rows through kernels/skinny_gemm.py, or with
-        `stream_k` kernels/stream_k_gemm.py (EngineConfig.skinny_gemm_rows, skinny_gemm_tma,
-        skinny_gemm_stream_k); needs the fused ops."""
+    def use_skinny_gemm(self, max_rows: int, tma: bool = False):
+        """Projections of up to `max_rows` rows through kernels/skinny_gemm.py
+        (EngineConfig.skinny_gemm_rows, skinny_gemm_tma); needs the fused ops."""
         if self.ops is TorchOps:
             raise ValueError("the few-row GEMM needs the fused (Triton) ops")
         device = self.embed_tokens.weight.device
         counters = torch.zeros(4096, dtype=torch.int32, device=device)
-        self.ops = SkinnyGemmOps(max_rows, counters, stream_k=stream_k, tma=tma)
+        self.ops = SkinnyGemmOps(max_rows, counters, tma=tma)
 
     def embed_audio(self, rows: torch.Tensor) -> torch.Tensor:
         """Summed audio embedding of rows `[N, 8]`, accumulated in fp32 and rounded once."""

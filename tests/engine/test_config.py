@@ -408,10 +408,6 @@ def test_skinny_gemm_rows_is_validated():
     with pytest.raises(ConfigError, match="skinny_gemm_rows > 0"):
         EngineConfig(device="cuda", skinny_gemm_rows=0, skinny_gemm_tma=True)
     assert EngineConfig(device="cuda", skinny_gemm_rows=0).skinny_gemm_tma is None
-    wide = EngineConfig(device="cuda", skinny_gemm_rows=128, skinny_gemm_stream_k=True)
-    assert wide.skinny_gemm_rows == 128  # the stream-K kernel serves up to 128 rows
-    with pytest.raises(ConfigError, match="0..128"):
-        EngineConfig(device="cuda", skinny_gemm_rows=129, skinny_gemm_stream_k=True)
 
 
 def test_kv_cache_dtype_is_validated():

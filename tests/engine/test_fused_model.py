@@ -126,24 +126,21 @@ def test_fused_ops_equal_torch_ops(backend, layout, fuse_decode, prefetch, monke
         (64, 2 * 4 * 2, {}),
         (3, 2 * 4, {}),
         (64, 2 * 4 * 2, {"tma": True}),
-        (64, 2 * 4 * 2, {"stream_k": True}),
-        (3, 2 * 4, {"stream_k": True, "tma": True}),
     ],
 )
 def test_skinny_gemm_projections_equal_torch_ops(skinny_rows, launches, loads, monkeypatch):
     """`skinny_gemm_rows`: the four projections of each layer through kernels/skinny_gemm.py
-    or (`stream_k`) kernels/stream_k_gemm.py, the down projection with the MLP's activation
-    folded in, for steps of up to that many tokens (here the 9-token prefill and the 3-token
-    decode step, or only the decode step): the same hidden states and caches as the torch ops."""
+    (the down projection with the MLP's activation folded in) for steps of up to that many
+    tokens (here the 9-token prefill and the 3-token decode step, or only the decode step),
+    the same hidden states and caches as the torch ops."""
     import kernels.skinny_gemm
-    import kernels.stream_k_gemm
 
     ref_hidden, ref_caches = _run(False, "torch")
     calls = []
-    module = kernels.stream_k_gemm if loads.get("stream_k") else kernels.skinny_gemm
-    name = "stream_k_gemm" if loads.get("stream_k") else "skinny_gemm"
-    original = getattr(module, name)
-    monkeypatch.setattr(module, name, lambda *a, **k: calls.append(1) or original(*a, **k))
+    original = kernels.skinny_gemm.skinny_gemm
+    monkeypatch.setattr(
+        kernels.skinny_gemm, "skinny_gemm", lambda *a, **k: calls.append(1) or original(*a, **k)
+    )
     hidden, caches = _run(True, "triton", skinny_rows=skinny_rows, skinny_loads=loads)
     assert len(calls) == launches  # 2 layers x 4 projections per step taken
     torch.testing.assert_close(hidden, ref_hidden, rtol=1e-5, atol=1e-5)

@@ -96,26 +96,10 @@ def _gemm_case(rows: int, n: int, k: int, gated: bool, loads: str):
     return constexprs, types, tiles["num_warps"], tiles["num_stages"]
 
 
-def _stream_k_case(rows: int, n: int, k: int, gated: bool, loads: str):
-    """The stream-K GEMM as `stream_k_gemm` launches it for this shape (`stream_k_tiles`)."""
-    from kernels.stream_k_gemm import stream_k_tiles
-
-    tiles = stream_k_tiles(rows, n, k)
-    bm, bn, bk = tiles["block_m"], tiles["block_n"], tiles["block_k"]
-    constexprs = dict(BM=bm, BN=bn, BK=bk, EVEN_K=k % bk == 0, IEEE=False, GATED=gated, PDL=True)
-    constexprs["TMA"] = loads == "tma"
-    types = GEMM_TYPES
-    if constexprs["TMA"]:
-        x_desc = f"tensordesc<bf16[{bm}, {bk}]>"
-        types = dict(types, x_ptr=x_desc, up_ptr=x_desc, w_ptr=f"tensordesc<bf16[{bn}, {bk}]>")
-    return constexprs, types, tiles["num_warps"], tiles["num_stages"]
-
-
 def _compile_cases() -> dict[str, int]:
     """Shared memory (bytes) of every case, compiled in this process (no interpreter)."""
     from kernels.paged_attention import _paged_attention_kernel
     from kernels.skinny_gemm import _skinny_gemm_kernel
-    from kernels.stream_k_gemm import _stream_k_gemm_kernel
 
     out = {}
     for name, (n, k) in HIGGS_PROJECTIONS.items():
@@ -125,13 +109,6 @@ def _compile_cases() -> dict[str, int]:
                     constexprs, types, warps, stages = _gemm_case(rows, n, k, gated, loads)
                     kernel = compile_sm90(_skinny_gemm_kernel, types, constexprs, warps, stages)
                     label = f"gemm {name} rows={rows} {loads}" + " gated" * gated
-                    out[label] = kernel.metadata.shared
-        for rows in (1, 64, 128):
-            for loads in LOADS:
-                for gated in (False, True) if name == "down" else (False,):
-                    constexprs, types, warps, stages = _stream_k_case(rows, n, k, gated, loads)
-                    kernel = compile_sm90(_stream_k_gemm_kernel, types, constexprs, warps, stages)
-                    label = f"streamk {name} rows={rows} {loads}" + " gated" * gated
                     out[label] = kernel.metadata.shared
     for prefetch in (False, True):
         for stages in (2, 3, 4):
@@ -169,21 +146,6 @@ def test_the_few_row_gemm_compiles_and_fits_the_h200(compiled):
     assert not too_big, too_big
     # one stage of the qkv tiles at one row: [64, 128] weight + [128, 16] x, bf16 = 20,480 B
     assert gemms["gemm qkv rows=1 pointer"] >= 2 * 20_480
-
-
-def test_the_stream_k_gemm_compiles_and_fits_the_h200(compiled):
-    """The stream-K GEMM at 1, 64 and 128 rows, as `stream_k_tiles` sets it up, each load
-    variant (and the folded down projection): it compiles, its one flat loop over the share's
-    units is multi-buffered, and its shared memory fits a block on the H200."""
-    from kernels.stream_k_gemm import stream_k_tiles
-
-    gemms = {k: v for k, v in compiled.items() if k.startswith("streamk")}
-    assert len(gemms) == (4 + 1) * 3 * len(LOADS)
-    too_big = {k: v for k, v in gemms.items() if v > H200_SHARED}
-    assert not too_big, too_big
-    tiles = stream_k_tiles(1, 6144, 2560)
-    stage = (tiles["block_n"] + tiles["block_m"]) * tiles["block_k"] * 2  # weight + x tile
-    assert gemms["streamk qkv rows=1 tma"] >= 2 * stage
 
 
 def test_page_prefetch_lets_the_attention_loop_pipeline(compiled):
