@@ -191,6 +191,12 @@ class TritonAttention(_StoreThenAttend):
         400: 40.0 us against 63.7 with 64-key tiles without it; docs/PERFORMANCE.md)."""
         return dict(block_n=32, num_stages=3, prefetch_pages=True) if self.prefetch_pages else {}
 
+    def _mixed_knobs(self) -> dict:
+        """Tiles of launches with prefill rows: with `prefetch_pages`, the kernel's 64-key
+        tiles with page ids read a tile ahead (H200 sweep, 64 decode rows + a 50-token
+        prefill at a 128-token bound: 51.2 us against 60.5; docs/PERFORMANCE.md)."""
+        return dict(block_n=64, num_stages=3, prefetch_pages=True) if self.prefetch_pages else {}
+
     def fuses_decode(self, meta, kv_cache) -> bool:
         """Decode-only steps that run the one-pass kernel (enough sequences not to split)."""
         return self.fuse_decode and meta.max_query_len == 1 and self._splits(meta, kv_cache) == 1
@@ -210,7 +216,7 @@ class TritonAttention(_StoreThenAttend):
         from kernels.paged_attention import paged_attention
         from kernels.paged_decode import paged_decode_attention
 
-        knobs = {}  # mixed batches: the kernel's default tiles
+        knobs = self._mixed_knobs()
         if meta.max_query_len == 1:  # decode only: split the context when sequences are few
             knobs = self._decode_knobs()
             splits = self._splits(meta, kv_cache)

@@ -176,10 +176,11 @@ class EngineConfig:
     # faster a step at batch 64). None: on wherever it applies; True: required (a
     # configuration error where it cannot apply); False: two launches.
     fused_decode_attention: bool | None = None
-    # Decode-only steps run the one-pass attention kernel with 32-key tiles whose page ids
-    # are read one tile ahead, so the K/V loads do not wait on a load of their own iteration
-    # and are pipelined (the same numbers; H200, batch 64 x 400 keys: 40.0 us a layer
-    # against 63.7). False: 64-key tiles without it (the kernel's default, as mixed steps).
+    # The one-pass attention kernel reads page ids one tile ahead, so the K/V loads do not
+    # wait on a load of their own iteration and are pipelined (the same numbers): decode-only
+    # steps with 32-key tiles (H200, batch 64 x 400 keys: 40.0 us a layer against 63.7),
+    # mixed prefill + decode steps with 64-key tiles (64 decode rows + a 50-token prefill in
+    # the 128-token graph: 51.2 us against 60.5). False: 64-key tiles without it.
     attention_prefetch_pages: bool = True
     # Triton launches of the forward use programmatic dependent launch (kernels/launch.py):
     # each may start while the previous kernel finishes. None: on with fused kernels on a GPU
