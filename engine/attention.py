@@ -183,7 +183,7 @@ class TritonAttention(_StoreThenAttend):
 
         return decode_splits(meta.num_seqs, kv_cache.shape[3], self.split_target)
 
-    prefetch_pages = True  # EngineConfig.attention_prefetch_pages (decode-only launches)
+    prefetch_pages = True  # EngineConfig.attention_prefetch_pages (one-pass launches)
 
     def _decode_knobs(self) -> dict:
         """Tiles of decode-only one-pass launches: with `prefetch_pages`, 32 keys a tile and
