@@ -58,10 +58,11 @@ def _configs(decode: bool, num_seqs: int, grid_order: bool, prefetch: bool = Fal
     """(label, callable(args, max_q)) for every setting swept: the one-pass kernel always, the
     split-KV decode kernel for decode-only cases (more splits for fewer sequences); with
     `grid_order`, both grid orders (hf=1: heads first) on a narrower tile grid; with
-    `prefetch`, only the one-pass kernel with its page ids a tile ahead, over tiles, warps
-    and stages (stages only matter with it: tests/kernels/test_sm90_compile.py)."""
+    `prefetch`, only settings with page ids read a tile ahead: the one-pass kernel over
+    tiles, warps and stages (stages only matter with it: tests/kernels/test_sm90_compile.py),
+    and for decode cases the split-KV kernel at 2 to 8 splits (4 to 32 under 16 sequences)."""
     if prefetch:
-        return [
+        out = [
             (
                 f"one+pf BN={bn} w={warps} s={stages}",
                 lambda a, m, kw=dict(block_n=bn, num_warps=warps, num_stages=stages): (
@@ -70,6 +71,16 @@ def _configs(decode: bool, num_seqs: int, grid_order: bool, prefetch: bool = Fal
             )
             for bn, warps, stages in itertools.product((16, 32, 64, 128), (4, 8), (2, 3, 4, 5))
         ]
+        splits = (2, 4, 8) if num_seqs >= 16 else (4, 8, 16, 32)
+        for sp, bn, stages in itertools.product(splits, (32, 64), (2, 3, 4)) if decode else ():
+            kw = dict(block_n=bn, num_stages=stages, prefetch_pages=True)
+            out.append(
+                (
+                    f"split{sp}+pf BN={bn} s={stages}",
+                    lambda a, m, sp=sp, kw=kw: paged_decode_attention(*a, 128**-0.5, sp, **kw),
+                )
+            )
+        return out
     out = []
     tiles = (32, 64) if grid_order else (32, 64, 128)
     orders = (0, 1) if grid_order else (0,)

@@ -42,6 +42,7 @@ def _decode_split_kernel(
     SPLITS: tl.constexpr,
     K_ROWS: tl.constexpr,
     HEADS_FIRST: tl.constexpr,
+    PREFETCH: tl.constexpr,  # page ids read one tile ahead, as in the one-pass kernel
     PDL: tl.constexpr,
 ):
     pdl_enter(PDL)
@@ -70,11 +71,20 @@ def _decode_split_kernel(
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, D], tl.float32)
+    pages = bt_ptr + seq * stride_bt
+    if PREFETCH:  # the first tile's page ids before the loop, each next tile's inside it
+        n0 = lo + tl.arange(0, BLOCK_N)
+        page = tl.load(pages + n0 // PAGE, mask=n0 < hi, other=0)
     for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_ok = n < hi
-        page = tl.load(bt_ptr + seq * stride_bt + n // PAGE, mask=n_ok, other=0)
-        offs = page.to(tl.int64) * stride_kb + (n % PAGE) * stride_ks + kv_head * stride_kh
+        if PREFETCH:  # the K/V addresses do not wait on a load of this iteration
+            offs = page.to(tl.int64) * stride_kb + (n % PAGE) * stride_ks + kv_head * stride_kh
+            n_next = n + BLOCK_N
+            page = tl.load(pages + n_next // PAGE, mask=n_next < hi, other=0)
+        else:
+            page = tl.load(pages + n // PAGE, mask=n_ok, other=0)
+            offs = page.to(tl.int64) * stride_kb + (n % PAGE) * stride_ks + kv_head * stride_kh
         k = _load_k(k_ptr, offs, d, n_ok, K_ROWS).to(q.dtype)  # a float8 cache: widened
         s = tl.where(n_ok[None, :], tl.dot(q, k) * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -144,12 +154,14 @@ def paged_decode_attention(
     num_stages: int = 2,
     k_rows: bool = False,
     heads_first: bool = False,
+    prefetch_pages: bool = False,
 ):
     """Decode rows only (every sequence has 0 or 1 query token), split-KV: `splits` programs
     per (sequence, KV head) each take a slice of the context; a second launch combines them.
     The launch depends on the number of sequences, never on their lengths. block_n /
-    num_warps / num_stages / k_rows / heads_first (grid order) are tuning knobs
-    (benchmarks/attention_shapes.py)."""
+    num_warps / num_stages / k_rows / heads_first (grid order) / prefetch_pages (page ids
+    read a tile ahead, so the K/V loads can be pipelined) are tuning knobs, the same numbers
+    whichever way (benchmarks/attention_shapes.py)."""
     num_seqs = seq_lens.shape[0]
     _, hq, d = q.shape
     page, hkv = k_cache.shape[1], k_cache.shape[2]
@@ -184,6 +196,7 @@ def paged_decode_attention(
         SPLITS=splits,
         K_ROWS=k_rows,
         HEADS_FIRST=heads_first,
+        PREFETCH=prefetch_pages,
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl_launch(),

@@ -203,6 +203,7 @@ def test_tuning_knobs_change_speed_not_results(block_n, k_rows, heads_first, pre
     out = torch.full_like(q, float("nan"))
     for splits in (2, 4):  # 4: not the KV head count, so the two grid axes cannot be confused
         out = torch.full_like(q, float("nan"))
+        knobs["prefetch_pages"] = bool(prefetch)
         paged_decode_attention(q, k, v, *meta, 32**-0.5, splits, out=out, **knobs)
         assert torch.isfinite(out).all() and rel_err(out, ref) <= tol
 

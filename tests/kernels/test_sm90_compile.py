@@ -67,6 +67,13 @@ DECODE = dict(
     HQ=32, HKV=8, FUSED_ROWS=8, PDL=True,
 )  # fmt: skip
 
+# the split-KV decode launch (batches of up to 16 sequences) at its default tiles
+SPLIT_DECODE = dict(
+    G=4, HQ=32, ROWS=16, D=128, PAGE=16, BLOCK_N=32, SPLITS=4, K_ROWS=False, HEADS_FIRST=False,
+    PDL=True,
+)  # fmt: skip
+SPLIT_TYPES = {**ATTENTION_TYPES, "part_o_ptr": "*fp32", "part_ml_ptr": "*fp32"}
+
 
 H200_SHARED = 232_448  # bytes a block may use (the limit Triton's launch reports on the H200)
 HIGGS_PROJECTIONS = {  # name: (N, K)
@@ -99,6 +106,7 @@ def _gemm_case(rows: int, n: int, k: int, gated: bool, loads: str):
 def _compile_cases() -> dict[str, int]:
     """Shared memory (bytes) of every case, compiled in this process (no interpreter)."""
     from kernels.paged_attention import _paged_attention_kernel
+    from kernels.paged_decode import _decode_split_kernel
     from kernels.skinny_gemm import _skinny_gemm_kernel
 
     out = {}
@@ -115,6 +123,9 @@ def _compile_cases() -> dict[str, int]:
             constexprs = {**DECODE, "PREFETCH": prefetch}
             kernel = compile_sm90(_paged_attention_kernel, ATTENTION_TYPES, constexprs, 4, stages)
             out[f"attention prefetch={prefetch} stages={stages}"] = kernel.metadata.shared
+            constexprs = {**SPLIT_DECODE, "PREFETCH": prefetch}
+            kernel = compile_sm90(_decode_split_kernel, SPLIT_TYPES, constexprs, 4, stages)
+            out[f"split prefetch={prefetch} stages={stages}"] = kernel.metadata.shared
     return out
 
 
@@ -160,3 +171,15 @@ def test_page_prefetch_lets_the_attention_loop_pipeline(compiled):
     assert shared["prefetch=False stages=3"] == shared["prefetch=False stages=4"] < 40_000
     assert shared["prefetch=True stages=2"] < shared["prefetch=True stages=3"]
     assert shared["prefetch=True stages=3"] < shared["prefetch=True stages=4"]
+
+
+def test_page_prefetch_lets_the_split_kv_loop_pipeline(compiled):
+    """The split-KV decode kernel, the same way: without `prefetch_pages` more stages add
+    no K/V buffers (21,504 / 22,016 / 22,016 bytes at 2 / 3 / 4 stages); with the page ids
+    read a tile ahead, each stage adds its K and V tiles (32 keys x 128 x 2 x bf16)."""
+    shared = {k.split(" ", 1)[1]: v for k, v in compiled.items() if k.startswith("split")}
+    kv_tiles = 2 * 32 * 128 * 2
+    assert shared["prefetch=False stages=3"] == shared["prefetch=False stages=4"]
+    assert shared["prefetch=False stages=4"] - shared["prefetch=False stages=2"] < kv_tiles
+    assert shared["prefetch=True stages=3"] - shared["prefetch=True stages=2"] >= kv_tiles
+    assert shared["prefetch=True stages=4"] - shared["prefetch=True stages=3"] >= kv_tiles
