@@ -1,8 +1,9 @@
 """Our paged attention kernels at Higgs decode shapes (GQA 32/8, head_dim 128, bf16, pages of
 16) over tile, pipeline, K-load and KV-split settings, next to the KV-traffic floor. The
-top five settings per case, then one table.
+top five settings per case, then one table. `--graphs` times each call replayed from a CUDA
+graph (as the engine runs them) instead of launched from Python.
 
-    python benchmarks/attention_shapes.py
+    python benchmarks/attention_shapes.py [--quick] [--prefetch] [--cases ...] [--graphs]
 """
 
 from __future__ import annotations
@@ -21,6 +22,23 @@ from kernels.paged_attention import (
     paged_decode_attention_fused,
 )
 from kernels.paged_decode import decode_splits, paged_decode_attention
+
+GRAPHS = False  # --graphs: time graph replays
+
+
+def _bench(fn, **kw) -> float:
+    """Median (or as `kw` says) milliseconds of fn, launched from Python or, with --graphs,
+    replayed from a CUDA graph captured after two warm-up calls."""
+    if GRAPHS:
+        fn()
+        fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        fn = graph.replay
+    return triton.testing.do_bench(fn, **kw)
+
 
 CASES = {  # name: (query lengths, context lengths, launch bound; 0 = the longest query)
     "decode 64 x 400": ([1] * 64, [399] * 64, 0),
@@ -128,7 +146,10 @@ def main() -> None:
     ap.add_argument(
         "--prefetch", action="store_true", help="sweep the one-pass kernel with page prefetch"
     )
+    ap.add_argument("--graphs", action="store_true", help="time CUDA graph replays")
     args_ = ap.parse_args()
+    global GRAPHS
+    GRAPHS = args_.graphs
     quick = args_.quick
     wanted = [c for c in args_.cases.split(",") if c]
     rows = []
@@ -149,14 +170,12 @@ def main() -> None:
             if float((out.float() - ref).norm() / ref.norm()) > 1e-2:
                 print(f"{name}: {label} does not match the reference; skipped")
                 continue
-            ms = triton.testing.do_bench(
-                lambda fn=fn, a=args, m=max_q: fn(a, m), rep=40, return_mode="median"
-            )
+            ms = _bench(lambda fn=fn, a=args, m=max_q: fn(a, m), rep=40, return_mode="median")
             results.append((ms * 1e3, label))
         results.sort()
         out = paged_attention(*args, 128**-0.5, max_q)
         assert float((out.float() - ref).norm() / ref.norm()) <= 1e-2, name
-        default = triton.testing.do_bench(
+        default = _bench(
             lambda a=args, m=max_q: paged_attention(*a, 128**-0.5, m), return_mode="median"
         )
         # the same K/V in head-major memory (EngineConfig.kv_cache_layout="hnd")
@@ -164,23 +183,23 @@ def main() -> None:
         hargs = (args[0], hk, hv, *args[3:])
         out = paged_attention(*hargs, 128**-0.5, max_q)
         assert float((out.float() - ref).norm() / ref.norm()) <= 1e-2, name
-        hnd = triton.testing.do_bench(
+        hnd = _bench(
             lambda a=hargs, m=max_q: paged_attention(*a, 128**-0.5, m), return_mode="median"
         )
-        heads_first = triton.testing.do_bench(
+        heads_first = _bench(
             lambda a=args, m=max_q: paged_attention(*a, 128**-0.5, m, heads_first=True),
             return_mode="median",
         )
         # page ids read one tile ahead (EngineConfig.attention_prefetch_pages)
         out = paged_attention(*args, 128**-0.5, max_q, prefetch_pages=True)
         assert float((out.float() - ref).norm() / ref.norm()) <= 1e-2, name
-        prefetch = triton.testing.do_bench(
+        prefetch = _bench(
             lambda a=args, m=max_q: paged_attention(*a, 128**-0.5, m, prefetch_pages=True),
             return_mode="median",
         )
         # what the one-pass kernel launched before its knobs were passed through: one page
         # (16 keys) per tile, Triton's default 4 warps and 3 stages
-        old = triton.testing.do_bench(
+        old = _bench(
             lambda a=args, m=max_q: paged_attention(
                 *a, 128**-0.5, m, block_n=16, num_warps=4, num_stages=3
             ),
@@ -247,9 +266,9 @@ def _fused_case(q_lens, ctx, rope) -> tuple[float, float, float]:
     for fn in (one, lambda: one(True)):
         err = float((fn().float() - two().float()).norm() / two().float().norm())
         assert err <= 1e-2, err
-    t2 = triton.testing.do_bench(two, return_mode="median") * 1e3
-    t1 = triton.testing.do_bench(one, return_mode="median") * 1e3
-    return t2, t1, triton.testing.do_bench(lambda: one(True), return_mode="median") * 1e3
+    t2 = _bench(two, return_mode="median") * 1e3
+    t1 = _bench(one, return_mode="median") * 1e3
+    return t2, t1, _bench(lambda: one(True), return_mode="median") * 1e3
 
 
 if __name__ == "__main__":
