@@ -23,6 +23,7 @@ naming its exit code, `alive` turns false (`/ready` answers 503) and new request
 from __future__ import annotations
 
 import concurrent.futures
+import gc
 import itertools
 import logging
 import multiprocessing
@@ -138,6 +139,8 @@ class EngineProcess:
         self._reader.start()
 
     def stop(self) -> None:
+        if self._commands is None:
+            return  # stopped already
         self._stopping = True
         if self._process.is_alive():
             self._commands.put(("stop",))
@@ -148,9 +151,23 @@ class EngineProcess:
                 self._process.join(timeout=5)
         if self._reader.is_alive():
             self._reader.join(timeout=5)
-        for q in (self._commands, self._events):
-            q.cancel_join_thread()
+        with self._lock:
+            self._exit_reason = self._exit_reason or "the engine has stopped"
+            queues, self._commands = (self._commands, self._events), None
+        self._events = None  # the reader, if still running, holds its own reference
+        for q in queues:
+            q.cancel_join_thread()  # never wait forever on a pipe the engine no longer reads
             q.close()
+            feeder = getattr(q, "_thread", None)  # writes what was put, then ends; until
+            if feeder is not None:  # then it holds two of the queue's semaphores
+                feeder.join(timeout=5)
+        # Collected here, the queues' semaphores are unlinked. Left for the interpreter's
+        # exit they are not when the server ends by SIGTERM: uvicorn re-raises it after its
+        # graceful shutdown, the default action skips exit handlers, and multiprocessing's
+        # resource tracker reports them as leaked. They sit in reference cycles, so dropping
+        # them is not enough: a collection (once, at shutdown) frees them.
+        del queues, q
+        gc.collect()
 
     @property
     def alive(self) -> bool:
@@ -191,7 +208,7 @@ class EngineProcess:
             wire = self._wire[request_id] = f"{request_id}#{next(self._tokens)}"
             self._sinks[wire] = sink
             self._added[wire] = done
-        self._commands.put(("add", wire, text, reference, params))
+            self._commands.put(("add", wire, text, reference, params))
         return done
 
     def abort(self, request_id: str) -> None:
@@ -200,7 +217,14 @@ class EngineProcess:
             if wire is None or self._exit_reason is not None:
                 return
             self._sinks.pop(wire, None)
-        self._commands.put(("abort", wire))
+            self._commands.put(("abort", wire))
+
+    def _send(self, message: tuple) -> None:
+        """A command to the engine process, unless it has stopped (then there is no one to
+        tell)."""
+        with self._lock:
+            if self._exit_reason is None:
+                self._commands.put(message)
 
     def _forget(self, wire: str) -> Sink | None:
         """Drops a request's sink and id (under the lock); returns the sink."""
@@ -217,15 +241,16 @@ class EngineProcess:
                 future.set_exception(RuntimeError(self._exit_reason))
                 return future
             self._encodes[token] = future
-        self._commands.put(("encode", token, data, transcript))
+            self._commands.put(("encode", token, data, transcript))
         return future
 
     # -- the server's reader thread ----------------------------------------------------------
 
     def _read(self) -> None:
+        events = self._events  # stop() drops the attribute
         while True:
             try:
-                message = self._events.get(timeout=0.5)
+                message = events.get(timeout=0.5)
             except queue.Empty:
                 if self._process.is_alive():
                     continue
@@ -268,7 +293,7 @@ class EngineProcess:
                 with self._lock:
                     self._forget(wire)
                 if error is None:
-                    self._commands.put(("abort", wire))
+                    self._send(("abort", wire))
             elif error is not None:
                 done.set_exception(_rebuild(error))
             else:
