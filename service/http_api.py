@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import json
 import uuid
 
 from starlette.requests import Request
@@ -15,7 +14,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from engine import ConfigError
 from service.audio_format import StreamEncoder, wav_header
 from service.auth import extract_key, key_allowed
-from service.protocol import ProtocolError, parse_params
+from service.protocol import ProtocolError, check_transcript, loads_json, parse_params
 from service.text_segments import split_text
 
 MEDIA_TYPES = {
@@ -81,18 +80,18 @@ async def voice_create(request: Request) -> Response:
         return error("unauthorized", "a valid API key is required")
     services = _services(request)
     limit = services.settings.limits.max_upload_bytes
-    if int(request.headers.get("content-length") or 0) > limit * 4 // 3 + 4096:
+    body = await _read_body(request, limit * 4 // 3 + 4096)  # base64 in JSON, or raw
+    if body is None:
         return error("message_too_large", f"reference uploads are limited to {limit} bytes")
-    body = await request.body()
     transcript = request.query_params.get("transcript")
     if request.headers.get("content-type", "").startswith("application/json"):
         try:
-            payload = json.loads(body)
+            payload = loads_json(body)
             data = base64.b64decode(payload["audio_b64"], validate=True)
             transcript = payload.get("transcript", transcript)
-            if transcript is not None and not isinstance(transcript, str):
-                raise TypeError("transcript must be a string")
-        except (json.JSONDecodeError, KeyError, TypeError, binascii.Error, ValueError):
+        except ProtocolError as exc:
+            return error(exc.code, str(exc))
+        except (KeyError, TypeError, binascii.Error, ValueError):
             return error(
                 "bad_request", 'send JSON {"audio_b64": ..., "transcript": ...} or a raw audio body'
             )
@@ -100,6 +99,10 @@ async def voice_create(request: Request) -> Response:
         data = body
     if len(data) > limit:
         return error("message_too_large", f"reference uploads are limited to {limit} bytes")
+    try:
+        transcript = check_transcript(transcript)
+    except ProtocolError as exc:
+        return error(exc.code, str(exc))
     try:
         voice, cached = await services.create_voice(data, transcript)
     except ConfigError as exc:
@@ -135,11 +138,15 @@ async def speech(request: Request) -> Response:
     if not _authorized(request):
         return error("unauthorized", "a valid API key is required")
     services = _services(request)
+    raw = await _read_body(request, services.settings.limits.max_message_bytes)
+    if raw is None:
+        limit = services.settings.limits.max_message_bytes
+        return error("message_too_large", f"the body is limited to {limit} bytes")
     try:
-        body = await request.json()
-        if not isinstance(body, dict):
-            raise ValueError
-    except (json.JSONDecodeError, ValueError, UnicodeDecodeError):
+        body = loads_json(raw)
+    except ProtocolError as exc:
+        return error(exc.code, str(exc))
+    if not isinstance(body, dict):
         return error("bad_json", "the body must be a JSON object")
     try:
         job = _speech_job(body, services)
@@ -151,16 +158,44 @@ async def speech(request: Request) -> Response:
     chunks = _generate(services, job)
     if stream:
         return StreamingResponse(chunks, media_type=MEDIA_TYPES[fmt.format])
-    parts = []
+    collecting = asyncio.ensure_future(_collect(chunks))
+    while not collecting.done():
+        await asyncio.wait({collecting}, timeout=DISCONNECT_POLL_S)
+        if not collecting.done() and await request.is_disconnected():
+            collecting.cancel()  # the generator's cleanup aborts the running request
+            await asyncio.gather(collecting, return_exceptions=True)
+            return Response(status_code=499)  # nobody reads it: "client closed request"
     try:
-        async for part in chunks:
-            parts.append(part)
+        audio = collecting.result()
     except ConfigError as exc:
         return error("generation_failed", str(exc), 500)
-    audio = b"".join(parts)
     if fmt.format == "wav":  # a proper header with sizes for a complete file
         audio = wav_header(fmt.sample_rate, len(audio) - 44) + audio[44:]
     return Response(audio, media_type=MEDIA_TYPES[fmt.format])
+
+
+DISCONNECT_POLL_S = 0.25  # a non-streamed speech request checks this often for its client
+
+
+async def _collect(chunks) -> bytes:
+    return b"".join([part async for part in chunks])
+
+
+async def _read_body(request: Request, limit: int) -> bytes | None:
+    """The request body, or None once it exceeds `limit` bytes (announced or chunked alike:
+    it is never read whole beyond the limit)."""
+    try:
+        if int(request.headers.get("content-length") or 0) > limit:
+            return None
+    except ValueError:
+        pass  # the server has already rejected a malformed length
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            return None
+        parts.append(part)
+    return b"".join(parts)
 
 
 class _BadInput(ConfigError):
@@ -172,7 +207,9 @@ class _BadInput(ConfigError):
 def _speech_job(body: dict, services) -> dict:
     text = body.get("input")
     limits = services.settings.limits
-    if not isinstance(text, str) or not text.strip():
+    if not isinstance(text, str):
+        raise _BadInput("bad_request", "'input' must be a string")
+    if not text.strip():
         raise _BadInput("empty_text", "'input' must be a non-empty string")
     if len(text) > limits.max_text_chars:
         raise _BadInput(

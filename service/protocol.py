@@ -21,11 +21,39 @@ class ProtocolError(Exception):
         self.uid = uid
 
 
-def parse_message(text: str) -> dict:
+MAX_TRANSCRIPT_CHARS = 4096  # a reference of at most 30 s says far less than this
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def loads_json(text: str | bytes) -> object:
+    """Strict JSON (WebSocket messages and HTTP bodies alike): no NaN or Infinity, nesting
+    the parser can follow, and strings of valid Unicode (a `\\ud800` escape decodes to a lone
+    surrogate, which no text can hold). Anything else is a `bad_json` ProtocolError."""
     try:
-        message = json.loads(text)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        value = json.loads(text, parse_constant=_no_constant)
+    except json.JSONDecodeError as exc:
         raise ProtocolError("bad_json", f"not valid JSON: {exc.msg}") from exc
+    except RecursionError as exc:
+        raise ProtocolError("bad_json", "not valid JSON: nested too deeply") from exc
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ProtocolError("bad_json", f"not valid JSON: {exc}") from exc
+    # surrogates can only come from \u escapes: skip the check when there are none
+    escaped = b"\\u" in text if isinstance(text, bytes) else "\\u" in text
+    if escaped:
+        try:
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ProtocolError(
+                "bad_json", "not valid JSON: a string holds a lone UTF-16 surrogate"
+            ) from exc
+    return value
+
+
+def parse_message(text: str) -> dict:
+    message = loads_json(text)
     if not isinstance(message, dict):
         raise ProtocolError("bad_json", "a message must be a JSON object")
     kind = message.get("type")
@@ -46,6 +74,10 @@ def parse_params(
     if not isinstance(params, dict):
         raise ProtocolError("bad_parameter", "'params' must be an object", uid)
     raw = dict(params)
+    if "max_rows" in raw:  # the engine's own cap, set from max_duration_s; not a protocol field
+        raise ProtocolError(
+            "bad_parameter", "unknown parameter 'max_rows': the length cap is max_duration_s", uid
+        )
     try:
         max_s = raw.pop("max_duration_s", None)
         if max_s is not None:
@@ -79,4 +111,8 @@ def decode_b64(value, field: str, max_bytes: int, uid: str | None = None) -> byt
 def check_transcript(value, uid: str | None = None) -> str | None:
     if value is not None and not isinstance(value, str):
         raise ProtocolError("bad_request", "'transcript' must be a string", uid)
+    if value is not None and len(value) > MAX_TRANSCRIPT_CHARS:
+        raise ProtocolError(
+            "text_too_long", f"'transcript' is limited to {MAX_TRANSCRIPT_CHARS} characters", uid
+        )
     return value

@@ -167,7 +167,7 @@ class Session:
 
     async def _on_voice_upload(self, message: dict) -> None:
         size = message.get("bytes")
-        if not isinstance(size, int) or size < 1:
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise ProtocolError(
                 "bad_request", "voice.upload needs 'bytes': the size of the binary frame"
             )
@@ -204,14 +204,7 @@ class Session:
         text = _text(message, self.limits.max_text_chars)
         utt = await self._open(message, flushed=True)
         utt.text_chars = len(text)
-        segments = split_text(text, self.limits.max_segment_chars)
-        try:
-            for segment in segments:
-                self.services.worker.check_text(segment, utt.voice)
-        except ConfigError as exc:
-            self._end(utt, State.FAILED)
-            raise ProtocolError("bad_request", str(exc), utt.id) from exc
-        utt.add_segments(segments)
+        self._add_checked(utt, split_text(text, self.limits.max_segment_chars))
         self.send_json({"type": "started", "id": utt.id, "segments": len(utt.segments)})
         await self._start_when_voiced(utt, message)
 
@@ -240,7 +233,7 @@ class Session:
                 f"an utterance is limited to {self.limits.max_text_chars} characters",
                 uid,
             )
-        utt.add_segments(self.buffers[utt.id].append(text))
+        self._add_checked(utt, self.buffers[utt.id].append(text))
         if first:
             await self._start_when_voiced(utt, message)
         else:
@@ -255,7 +248,7 @@ class Session:
                 f"no open utterance {uid!r} to flush",
                 uid if isinstance(uid, str) else None,
             )
-        utt.add_segments(self.buffers.pop(utt.id).flush())
+        self._add_checked(utt, self.buffers.pop(utt.id).flush())
         utt.flushed = True
         if not utt.segments:
             self._end(utt, State.FAILED)
@@ -276,6 +269,21 @@ class Session:
         self.send_json({"type": "cancelled", "id": uid})
 
     # -- utterances --------------------------------------------------------------------------
+
+    def _add_checked(self, utt: Utterance, segments: list[str]) -> None:
+        """Queues complete segments after the engine's text check (structural tokens, prompt
+        length with the voice); a segment it refuses ends the utterance with `bad_request`,
+        and any other failure ends it too before it propagates (never left running)."""
+        try:
+            for segment in segments:
+                self.services.worker.check_text(segment, utt.voice)
+        except ConfigError as exc:
+            self._end(utt, State.FAILED)
+            raise ProtocolError("bad_request", str(exc), utt.id) from exc
+        except BaseException:
+            self._end(utt, State.FAILED)
+            raise
+        utt.add_segments(segments)
 
     async def _open(self, message: dict, flushed: bool) -> Utterance:
         uid = message.get("id")

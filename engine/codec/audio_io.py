@@ -97,6 +97,7 @@ def prepare_waveform(
         )
     mono = waveform.float().mean(0)
     if sample_rate != SAMPLE_RATE:
+        _check_resampling_cost(sample_rate)
         mono = torchaudio.functional.resample(mono, sample_rate, SAMPLE_RATE)
     rms = float(mono.pow(2).mean().sqrt())
     if rms == 0.0 or 20 * math.log10(rms) < limits.silence_dbfs:
@@ -104,6 +105,22 @@ def prepare_waveform(
             "audio_silent", f"the reference audio is silent (RMS below {limits.silence_dbfs} dBFS)"
         )
     return fit_to_frames(mono)
+
+
+# Exact resampling by the ratio p:q (the rates over their gcd) builds a filter of about
+# p x q taps: 44.1 kHz -> 24 kHz is 147:80; a 7,907 Hz file (prime) would be 7907:24000, a
+# 190-million-tap filter taking gigabytes and seconds whatever the recording's length.
+MAX_RESAMPLE_TAPS = 1_000_000
+
+
+def _check_resampling_cost(sample_rate: int) -> None:
+    g = math.gcd(sample_rate, SAMPLE_RATE)
+    if (sample_rate // g) * (SAMPLE_RATE // g) > MAX_RESAMPLE_TAPS:
+        raise ReferenceAudioError(
+            "audio_invalid",
+            f"the reference audio's sample rate ({sample_rate} Hz) is not supported: use a "
+            "standard rate (8, 11.025, 16, 22.05, 24, 32, 44.1, 48, 88.2 or 96 kHz, ...)",
+        )
 
 
 def fit_to_frames(mono: torch.Tensor) -> torch.Tensor:

@@ -332,3 +332,14 @@ def test_pcm16_is_little_endian():
     assert to_pcm16(torch.tensor([1 / 32767])) == b"\x01\x00"
     assert pcm16_to_float(b"\x00\x40")[0] == np.float32(16384 / 32767)
     assert pcm16_to_float(b"\xff\x7f")[0] == 1.0
+
+
+def test_a_sample_rate_too_costly_to_resample_is_invalid():
+    """7,907 Hz is prime: 7907:24000 would need a ~190-million-tap filter (gigabytes, whatever
+    the length); refused at once. 44.1 kHz (147:80) and 11.025 kHz (147:320) resample."""
+    x = 0.1 * torch.sin(torch.arange(8000) / 5.0)
+    with pytest.raises(ReferenceAudioError) as err:
+        prepare_waveform(x, 7907)
+    assert err.value.code == "audio_invalid" and "7907 Hz" in str(err.value)
+    for rate in (44100, 11025):
+        assert prepare_waveform(0.1 * torch.sin(torch.arange(rate) / 5.0), rate).numel() > 0

@@ -1,0 +1,182 @@
+"""Input found by fuzzing the real server (a hostile or broken client): each gets its documented
+error code, leaves no utterance or engine request behind, and costs the server no more than
+a well-formed message. WebSocket and HTTP alike; one server with small limits."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+import urllib.parse
+
+import httpx
+import pytest
+
+from .conftest import (
+    assert_alive,
+    b64,
+    expect_error,
+    open_ws,
+    recv_until,
+    reference_audio,
+    run,
+    scrape,
+    speak,
+    wait_engine_idle,
+)
+
+SURROGATE = "\\ud800"  # a JSON escape that decodes to a lone UTF-16 surrogate
+MAX_MESSAGE = 1024 * 1024  # nested-JSON frames of 200 KB fit: parsed, not refused by size
+MAX_UPLOAD = 1024 * 1024
+
+
+@pytest.fixture(scope="module")
+def srv(make_server):
+    return make_server(max_utterances=2, max_message_bytes=MAX_MESSAGE, max_upload_bytes=MAX_UPLOAD)
+
+
+def _exchange(server, *frames, code: str) -> dict:
+    async def main():
+        async with open_ws(server.ws) as ws:
+            for frame in frames:
+                await ws.send(frame)
+            err = await expect_error(ws, code)
+            assert await assert_alive(ws) == []
+            return err
+
+    return run(main())
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        '{"type":"speak","id":"a","text":"hi ' + SURROGATE + ' there."}',
+        '{"type":"speak","id":"' + SURROGATE + '","text":"hi."}',
+        '{"type":"append","id":"b","text":"hi ' + SURROGATE + '. "}',
+        '{"type":"voice.create","audio_b64":"AAAA","transcript":"\\udc00"}',
+        "[" * 100_000 + "]" * 100_000,
+        '{"type":"ping","x":' + "[" * 50_000 + "]" * 50_000 + "}",
+        '{"type":"speak","id":"a","text":"hi.","request_id":NaN}',
+        '{"type":"speak","id":"a","text":"hi.","params":{"seed":Infinity}}',
+    ],
+    ids=["text", "id", "append", "transcript", "nested", "nested-in-ping", "nan", "infinity"],
+)
+def test_text_json_cannot_hold_is_bad_json(srv, frame):
+    _exchange(srv, frame, code="bad_json")
+
+
+def test_rejected_text_leaves_no_utterance_behind(srv):
+    """Refused speaks (more than max_utterances of them) never fill the connection, and the
+    same id works afterwards; an append whose sentence the engine refuses ends its utterance
+    with bad_request (as the same text in a speak)."""
+
+    async def main():
+        async with open_ws(srv.ws) as ws:
+            for _ in range(3):
+                await ws.send('{"type":"speak","id":"a","text":"hi ' + SURROGATE + '."}')
+                await expect_error(ws, "bad_json")
+            for uid in ("c", "c"):
+                await ws.send(json.dumps({"type": "append", "id": uid, "text": "hi <|audio|>. "}))
+                started, _ = await recv_until(ws, "started", id=uid)
+                err = await expect_error(ws, "bad_request")
+                assert err["id"] == uid
+            await ws.send(speak("a", dur=0.2))
+            done, _ = await recv_until(ws, "done", timeout=120, id="a")
+            assert done["id"] == "a"
+
+    run(main())
+    wait_engine_idle(srv)
+
+
+def test_the_engines_row_cap_is_not_a_protocol_parameter(srv):
+    message = {"type": "speak", "id": "r", "text": "Hi.", "params": {"max_rows": 1}}
+    err = _exchange(srv, json.dumps(message), code="bad_parameter")
+    assert "max_duration_s" in err["message"]
+
+
+def test_upload_size_must_be_an_integer_not_a_boolean(srv):
+    _exchange(srv, json.dumps({"type": "voice.upload", "bytes": True}), code="bad_request")
+
+
+def test_overlong_transcript_is_refused_before_any_work(srv):
+    audio = b64(reference_audio(1.0))
+    message = {"type": "voice.create", "audio_b64": audio, "transcript": "word " * 2000}
+    err = _exchange(srv, json.dumps(message), code="text_too_long")
+    assert "4096" in err["message"]
+    r = httpx.post(
+        srv.http + "/v1/voices",
+        json={"audio_b64": audio, "transcript": "word " * 2000},
+        timeout=30,
+    )
+    assert r.status_code == 400 and r.json()["error"]["code"] == "text_too_long", r.text
+
+
+def test_a_sample_rate_too_costly_to_resample_is_refused_at_once(srv):
+    """7,907 Hz (prime) would need a 190-million-tap resampling filter: gigabytes and
+    seconds for a 0.6 s file. It is refused as audio_invalid in well under a second."""
+    message = {"type": "voice.create", "audio_b64": b64(reference_audio(0.8, rate=7907))}
+    start = time.monotonic()
+    err = _exchange(srv, json.dumps(message), code="audio_invalid")
+    assert "7907 Hz" in err["message"] and time.monotonic() - start < 5
+    message["audio_b64"] = b64(reference_audio(0.8, rate=44100))  # 147:80: fine
+
+    async def ok():
+        async with open_ws(srv.ws) as ws:
+            await ws.send(json.dumps(message))
+            created, _ = await recv_until(ws, "voice.created", timeout=60)
+            assert created["voice_id"]
+
+    run(ok())
+
+
+@pytest.mark.parametrize(
+    "path, content",
+    [
+        ("/v1/audio/speech", '{"input":"hi ' + SURROGATE + '."}'),
+        ("/v1/audio/speech", "[" * 100_000 + "]" * 100_000),
+        ("/v1/audio/speech", '{"input":"hi.","seed":NaN}'),
+        ("/v1/voices", '{"audio_b64":"AAAA","transcript":"\\udc00"}'),
+        ("/v1/voices", "[" * 100_000 + "]" * 100_000),
+    ],
+    ids=["speech-surrogate", "speech-nested", "speech-nan", "voice-surrogate", "voice-nested"],
+)
+def test_http_json_it_cannot_hold_is_bad_json(srv, path, content):
+    r = httpx.post(
+        srv.http + path, content=content, headers={"content-type": "application/json"}, timeout=30
+    )
+    assert r.status_code == 400 and r.json()["error"]["code"] == "bad_json", r.text
+
+
+@pytest.mark.parametrize("path", ["/v1/audio/speech", "/v1/voices"])
+def test_http_bodies_over_the_limit_are_refused_chunked_or_not(srv, path):
+    """A chunked body announces no length: it is counted as it arrives and refused once over
+    the limit (max_message_bytes for speech, the upload limit for voices), not read whole."""
+    limit = MAX_MESSAGE if path.endswith("speech") else MAX_UPLOAD * 4 // 3 + 4096
+
+    def chunks():
+        sent = 0
+        while sent <= 2 * limit:
+            yield b"x" * 65536
+            sent += 65536
+
+    r = httpx.post(srv.http + path, content=chunks(), timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "message_too_large", r.text
+
+
+def test_non_streamed_speech_stops_when_its_client_goes(srv):
+    """The whole file is built before it is sent; a client that leaves meanwhile aborts the
+    generation at once instead of letting it run to the end of every segment."""
+    body = json.dumps({"input": "A long sentence to speak. " * 60, "max_duration_s": 60})
+    url = urllib.parse.urlparse(srv.http)
+    with socket.create_connection((url.hostname, url.port)) as s:
+        s.sendall(
+            (
+                "POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n{body}"
+            ).encode()
+        )
+        deadline = time.monotonic() + 30
+        while scrape(srv)["clonecast_num_requests_running"] == 0:
+            assert time.monotonic() < deadline, "the speech request never started"
+            time.sleep(0.05)
+    wait_engine_idle(srv, timeout=3)  # 0.3 s here; 22 s before the check (CPU, tiny model)
