@@ -4,7 +4,8 @@ Public API (everything else in this package is internal):
 - `Engine`: create with `Engine.from_pretrained(path_or_hub_id_or_None, EngineConfig(...))`,
   then `encode_reference`, `add_request`, `abort`, `step`, `has_unfinished`, `rows`,
   `generate`, `stats`.
-- `EngineConfig`, `SamplingParams`, `VoiceReference`: inputs, validated on construction.
+- `EngineConfig`, `SamplingParams`, `VoiceReference`: inputs, validated on construction
+  (`NUM_CODEBOOKS`: the width of a reference's code rows).
 - `StreamConfig`, `AudioLimits`: streaming chunk sizes; reference-audio limits.
 - `RequestOutput`, `AudioChunk`, `GenerationResult`, `EngineStats`: outputs.
 - `ReferenceAudioError`: unusable reference audio, with a stable `code`.
@@ -25,6 +26,7 @@ _PUBLIC = {
     "EngineConfig": "engine.config",
     "SamplingParams": "engine.config",
     "VoiceReference": "engine.config",
+    "NUM_CODEBOOKS": "engine.config",
     "StreamConfig": "engine.config",
     "AudioChunk": "engine.audio_output",
     "ReferenceAudioError": "engine.codec.audio_io",

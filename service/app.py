@@ -10,22 +10,26 @@ import logging
 import sys
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import Route, WebSocketRoute
 
 from engine import (
+    NUM_CODEBOOKS,
     UNTRAINED_NOTICE,
     ConfigError,
     Engine,
     EngineConfig,
     SamplingParams,
+    VoiceReference,
     default_device,
 )
 from service.config import ServiceSettings
 from service.engine_process import EngineProcess, EngineSpec
 from service.http_api import (
     health,
+    http_error,
     list_voices,
     metrics,
     ready,
@@ -133,7 +137,12 @@ class Services:
         self.is_ready = True
 
     async def create_voice(self, data: bytes, transcript: str | None) -> tuple[Voice, bool]:
-        """Registers a voice from reference audio bytes; (voice, was already registered)."""
+        """Registers a voice from reference audio bytes; (voice, was already registered). A
+        transcript the prompt cannot hold (structural tokens, or too long for the model with
+        even one frame of audio) is refused before any encoding: the voice would be unusable."""
+        if transcript:
+            one_frame = VoiceReference(codes=((0,) * NUM_CODEBOOKS,), text=transcript)
+            self.worker.check_text(".", one_frame)  # ConfigError: bad_request
         voice_id = voice_id_for(data, transcript)
         existing = self.voices.get(voice_id)
         if existing is not None:
@@ -195,7 +204,12 @@ def create_app(settings: ServiceSettings | None = None, engine: Engine | None = 
                 allow_headers=["*"],
             )
         )
-    app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
+    app = Starlette(
+        routes=routes,
+        middleware=middleware,
+        lifespan=lifespan,
+        exception_handlers={HTTPException: http_error},
+    )
     app.state.services = services
     return app
 

@@ -28,6 +28,8 @@ class OutputFormat:
     @classmethod
     def parse(cls, spec: dict | None) -> OutputFormat:
         """From the protocol's `output` object; ValueError with a clear message if invalid."""
+        if spec is not None and not isinstance(spec, dict):
+            raise ValueError(f"output must be an object, got {type(spec).__name__}")
         spec = dict(spec or {})
         fmt = spec.pop("format", "pcm16")
         if not isinstance(fmt, str) or fmt not in FORMATS:

@@ -449,10 +449,14 @@ def _serve(worker: EngineWorker, engine, commands, events, sender: _StatsSender)
     """Applies the server's commands until "stop" (False) or until the server is gone (True)."""
 
     def added(request_id: str, future: concurrent.futures.Future) -> None:  # engine thread
+        if future.cancelled():  # the worker is shutting down: nobody waits for the answer
+            return
         error = future.exception()
         events.put(("added", request_id, _portable(error) if error else None, engine.stats))
 
     def encoded(token: int, future: concurrent.futures.Future) -> None:
+        if future.cancelled():  # queued encodes dropped at shutdown
+            return
         error = future.exception()
         result = None if error else future.result()
         error = _portable(error) if error else None

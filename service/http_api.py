@@ -8,6 +8,7 @@ import base64
 import binascii
 import uuid
 
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -37,6 +38,16 @@ def error(code: str, message: str, status: int | None = None) -> JSONResponse:
     return JSONResponse(
         {"error": {"code": code, "message": message}}, status_code=status or STATUS.get(code, 400)
     )
+
+
+async def http_error(request: Request, exc: HTTPException) -> Response:
+    """Routing errors (no such path, a method the path does not take) in the API's JSON
+    error shape, like every other HTTP error."""
+    if exc.status_code == 404:
+        return error("not_found", f"no endpoint {request.url.path}", 404)
+    if exc.status_code == 405:
+        return error("method_not_allowed", f"{request.method} is not allowed here", 405)
+    return error("bad_request", str(exc.detail), exc.status_code)
 
 
 def _services(request: Request):
@@ -154,7 +165,9 @@ async def speech(request: Request) -> Response:
         return error(getattr(exc, "code", "bad_parameter"), str(exc))
     if services.worker.num_waiting >= services.settings.limits.max_waiting_requests:
         return error("over_capacity", "the server is at capacity: retry shortly")
-    fmt, stream = job["format"], bool(body.get("stream", False))
+    fmt, stream = job["format"], body.get("stream", False)
+    if not isinstance(stream, bool):
+        return error("bad_request", "'stream' must be true or false")
     chunks = _generate(services, job)
     if stream:
         return StreamingResponse(chunks, media_type=MEDIA_TYPES[fmt.format])

@@ -27,6 +27,7 @@ from service.utterance import State, Utterance
 from service.wire import pack_audio
 
 log = logging.getLogger("clonecast.session")
+MAX_CANCELLED_IDS = 256  # per connection: remembered to refuse late appends after a cancel
 
 
 class Session:
@@ -38,6 +39,10 @@ class Session:
         self.utterances: dict[str, Utterance] = {}
         self.buffers: dict[str, SegmentBuffer] = {}
         self.by_request: dict[str, tuple[Utterance, int]] = {}
+        # ids cancelled on this connection (the latest MAX_CANCELLED_IDS): a late `append` to
+        # one is refused rather than opening a new utterance that would speak the tail of
+        # text the client barged in on; a `speak` may reuse the id
+        self.cancelled_ids: dict[str, None] = {}
         self.outbox: asyncio.Queue = asyncio.Queue()
         self.loop = asyncio.get_running_loop()
         self.pending_upload: dict | None = None
@@ -203,6 +208,7 @@ class Session:
     async def _on_speak(self, message: dict) -> None:
         text = _text(message, self.limits.max_text_chars)
         utt = await self._open(message, flushed=True)
+        self.cancelled_ids.pop(utt.id, None)  # a new utterance under a cancelled id
         utt.text_chars = len(text)
         self._add_checked(utt, split_text(text, self.limits.max_segment_chars))
         self.send_json({"type": "started", "id": utt.id, "segments": len(utt.segments)})
@@ -214,16 +220,18 @@ class Session:
         if not isinstance(text, str):
             raise ProtocolError("bad_request", "append needs 'text' (a string)", uid)
         utt = self.utterances.get(uid) if isinstance(uid, str) else None
+        if utt is None and uid in self.cancelled_ids:
+            raise ProtocolError(
+                "unknown_id", f"utterance {uid!r} was cancelled: open a new one (another id)"
+            )
         if utt is None:
             utt = await self._open(message, flushed=False)
             self.buffers[utt.id] = SegmentBuffer(self.limits.max_segment_chars)
             self.send_json({"type": "started", "id": utt.id, "segments": 0})
             first = True
         else:
-            if utt.flushed:
-                raise ProtocolError(
-                    "unknown_id", f"utterance {uid!r} was flushed: open a new one", uid
-                )
+            if utt.flushed:  # no id: the error does not end the running utterance
+                raise ProtocolError("unknown_id", f"utterance {uid!r} was flushed: open a new one")
             first = False
         utt.text_chars += len(text)
         if utt.text_chars > self.limits.max_text_chars:
@@ -242,7 +250,9 @@ class Session:
     async def _on_flush(self, message: dict) -> None:
         uid = message.get("id")
         utt = self.utterances.get(uid) if isinstance(uid, str) else None
-        if utt is None or utt.flushed:
+        if utt is not None and utt.flushed:  # no id: the running utterance goes on
+            raise ProtocolError("unknown_id", f"utterance {uid!r} was flushed already")
+        if utt is None:
             raise ProtocolError(
                 "unknown_id",
                 f"no open utterance {uid!r} to flush",
@@ -266,6 +276,10 @@ class Session:
                 uid if isinstance(uid, str) else None,
             )
         self._end(utt, State.CANCELLED)
+        self.cancelled_ids.pop(uid, None)
+        self.cancelled_ids[uid] = None
+        if len(self.cancelled_ids) > MAX_CANCELLED_IDS:
+            del self.cancelled_ids[next(iter(self.cancelled_ids))]
         self.send_json({"type": "cancelled", "id": uid})
 
     # -- utterances --------------------------------------------------------------------------
@@ -291,8 +305,8 @@ class Session:
             raise ProtocolError(
                 "bad_request", "'id' must be a non-empty string of at most 255 bytes"
             )
-        if uid in self.utterances:
-            raise ProtocolError("duplicate_id", f"utterance {uid!r} is already running", uid)
+        if uid in self.utterances:  # no id: the running one goes on
+            raise ProtocolError("duplicate_id", f"utterance {uid!r} is already running")
         if len(self.utterances) >= self.limits.max_utterances:
             raise ProtocolError(
                 "too_many_utterances",
@@ -364,6 +378,13 @@ class Session:
         if utt.state is not State.RUNNING:
             return  # cancelled while the voice was encoding
         utt.voice, utt.ready = voice.reference, True
+        try:  # the segments so far were checked without the voice (prompt length with it)
+            for seg in utt.segments:
+                self.services.worker.check_text(seg.text, utt.voice)
+        except ConfigError as exc:
+            self._end(utt, State.FAILED)
+            self.send_error("bad_request", str(exc), utt.id)
+            return
         self._pump(utt)
 
     def _spawn(self, coro) -> None:

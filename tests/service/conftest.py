@@ -223,6 +223,8 @@ async def collect(
         assert isinstance(message, str), "a binary frame without its audio message"
         data = json.loads(message)
         kind, uid = data.get("type"), data.get("id")
+        if kind == "error" and uid is None:  # a rejected message about a running utterance:
+            uid = data.get("request_id")  # no id (it goes on); tests tag it with request_id
         assert uid in utts, f"message for an unexpected id: {data}"
         u = utts[uid]
         u.kinds.append(kind)

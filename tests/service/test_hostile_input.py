@@ -180,3 +180,69 @@ def test_non_streamed_speech_stops_when_its_client_goes(srv):
             assert time.monotonic() < deadline, "the speech request never started"
             time.sleep(0.05)
     wait_engine_idle(srv, timeout=3)  # 0.3 s here; 22 s before the check (CPU, tiny model)
+
+
+def test_a_late_append_after_cancel_is_refused_not_spoken(srv):
+    """Barge-in: text still arriving for a cancelled utterance must not open a new one under
+    the same id and speak it; a speak may reuse the id."""
+
+    async def main():
+        async with open_ws(srv.ws) as ws:
+            opts = {"params": {"max_duration_s": 0.4, "seed": 2}}
+            await ws.send(json.dumps({"type": "append", "id": "a", "text": "Hello. Mo", **opts}))
+            await recv_until(ws, "started", id="a")
+            await ws.send(json.dumps({"type": "cancel", "id": "a"}))
+            _, before = await recv_until(ws, "cancelled", id="a")
+            late = {"type": "append", "id": "a", "text": "re text. ", "request_id": "late"}
+            await ws.send(json.dumps(late))
+            err = await expect_error(ws, "unknown_id")
+            assert "id" not in err and err["request_id"] == "late"
+            assert await assert_alive(ws) == []  # nothing for "a" after its cancel
+            await ws.send(speak("a", dur=0.2))
+            done, _ = await recv_until(ws, "done", timeout=120, id="a")
+            assert done["id"] == "a"
+
+    run(main())
+
+
+def test_a_transcript_the_prompt_cannot_hold_is_refused_at_creation(srv):
+    """Structural tokens in a transcript would make the voice fail every later speak: refused
+    when the voice is created (WebSocket, HTTP, and an inline voice of a speak)."""
+    audio = b64(reference_audio(1.0))
+    message = {"type": "voice.create", "audio_b64": audio, "transcript": "<|audio|> hi"}
+    err = _exchange(srv, json.dumps(message), code="bad_request")
+    assert "structural" in err["message"]
+    r = httpx.post(
+        srv.http + "/v1/voices", json={"audio_b64": audio, "transcript": "<|audio|>"}, timeout=30
+    )
+    assert r.status_code == 400 and r.json()["error"]["code"] == "bad_request", r.text
+    inline = {"audio_b64": audio, "transcript": "<|audio|>"}
+
+    async def main():
+        async with open_ws(srv.ws) as ws:
+            await ws.send(speak("i", dur=0.2, voice=inline))
+            await recv_until(ws, "started", id="i")
+            err = await expect_error(ws, "bad_request")
+            assert err["id"] == "i"
+
+    run(main())
+
+
+def test_http_routing_errors_are_json(srv):
+    for method, path, status, code in [
+        ("GET", "/v1/voices/a/b", 404, "not_found"),
+        ("GET", "/nowhere", 404, "not_found"),
+        ("PUT", "/v1/voices", 405, "method_not_allowed"),
+        ("GET", "/v1/audio/speech", 405, "method_not_allowed"),
+    ]:
+        r = httpx.request(method, srv.http + path, timeout=30)
+        assert r.status_code == status, (path, r.text)
+        assert r.json()["error"]["code"] == code
+
+
+def test_mistyped_output_and_stream_are_refused(srv):
+    message = {"type": "speak", "id": "o", "text": "Hi.", "output": [["format", "wav"]]}
+    err = _exchange(srv, json.dumps(message), code="bad_parameter")
+    assert "output must be an object" in err["message"]
+    r = httpx.post(srv.http + "/v1/audio/speech", json={"input": "Hi.", "stream": "false"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "bad_request", r.text

@@ -201,7 +201,7 @@ def test_duplicate_id_while_running_then_reusable_after_done(small):
     async def main():
         async with open_ws(small.ws) as ws:
             await ws.send(speak("d", dur=2.0, seed=4))
-            await ws.send(speak("d", "Another text.", dur=1.0, seed=5))
+            await ws.send(speak("d", "Another text.", dur=1.0, seed=5, request_id="d"))
             utts = await collect(ws, ["d"], stop_on_error=False)
             await assert_alive(ws)
             await ws.send(speak("d", dur=1.0, seed=5))  # finished: the id is free again
@@ -209,7 +209,10 @@ def test_duplicate_id_while_running_then_reusable_after_done(small):
             return utts["d"], again
 
     first, again = run(main())
-    assert [(e["code"], e["id"]) for e in first.errors] == [("duplicate_id", "d")]
+    # the error names the rejected message (request_id), not the running utterance (no id)
+    assert [(e["code"], e.get("id"), e["request_id"]) for e in first.errors] == [
+        ("duplicate_id", None, "d")
+    ]
     assert first.kinds.count("started") == 1
     first.errors = []
     check_complete(first)
@@ -227,12 +230,12 @@ def test_flush_of_a_speak_is_unknown_id(small):
     async def main():
         async with open_ws(small.ws) as ws:
             await ws.send(speak("s", dur=1.0, seed=6))
-            await ws.send(json.dumps({"type": "flush", "id": "s"}))
+            await ws.send(json.dumps({"type": "flush", "id": "s", "request_id": "s"}))
             u = (await collect(ws, ["s"], stop_on_error=False))["s"]
             return u
 
     u = run(main())
-    assert [e["code"] for e in u.errors] == ["unknown_id"]
+    assert [(e["code"], e.get("id")) for e in u.errors] == [("unknown_id", None)]
     u.errors = []
     check_complete(u)
 

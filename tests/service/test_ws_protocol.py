@@ -237,7 +237,8 @@ def test_incremental_append_flush(server):
             first_frame = await ws.recv()
             await ws.send(json.dumps({"type": "append", "id": "inc", "text": "And the second one"}))
             await ws.send(json.dumps({"type": "flush", "id": "inc"}))
-            await ws.send(json.dumps({"type": "append", "id": "inc", "text": "Too late."}))
+            late = {"type": "append", "id": "inc", "text": "Too late.", "request_id": "inc"}
+            await ws.send(json.dumps(late))
             utts = await collect(ws, ["inc"], stop_on_error=False)
             return first_audio, first_frame, utts["inc"]
 
@@ -246,7 +247,7 @@ def test_incremental_append_flush(server):
     assert u.kinds.index("flushed") < u.kinds.index("done")
     assert u.other == [{"type": "flushed", "id": "inc"}]
     assert [e["code"] for e in u.errors] == ["unknown_id"]
-    assert u.errors[0]["id"] == "inc"
+    assert "id" not in u.errors[0] and u.errors[0]["request_id"] == "inc"  # "inc" goes on
     # the frames after the first continue its numbering
     assert [f.seq for f in u.frames] == list(range(1, len(u.frames) + 1))
     assert u.frames[-1].last and not any(f.last for f in u.frames[:-1])
