@@ -15,6 +15,7 @@ import torch
 import triton.runtime.errors
 import triton.testing
 
+from benchmarks.gemm_shapes import graphed
 from kernels.norm_rope import qk_norm_rope_store
 from kernels.paged_attention import (
     paged_attention,
@@ -29,15 +30,7 @@ GRAPHS = False  # --graphs: time graph replays
 def _bench(fn, **kw) -> float:
     """Median (or as `kw` says) milliseconds of fn, launched from Python or, with --graphs,
     replayed from a CUDA graph captured after two warm-up calls."""
-    if GRAPHS:
-        fn()
-        fn()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        fn = graph.replay
-    return triton.testing.do_bench(fn, **kw)
+    return triton.testing.do_bench(graphed(fn) if GRAPHS else fn, **kw)
 
 
 CASES = {  # name: (query lengths, context lengths, launch bound; 0 = the longest query)

@@ -33,6 +33,12 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _kv_offsets(page, n, kv_head, PAGE: tl.constexpr, stride_kb, stride_ks, stride_kh):
+    """Element offsets of keys `n` (their cache pages `page`) of one KV head: `[BLOCK_N]`."""
+    return page.to(tl.int64) * stride_kb + (n % PAGE) * stride_ks + kv_head * stride_kh
+
+
+@triton.jit
 def _load_k(k_ptr, offs, d, n_ok, K_ROWS: tl.constexpr):
     """K tile as `[D, N]` for `q @ k`: loaded either as it lies (`[N, D]` rows of one token,
     then transposed) or directly transposed; which is faster is a tuning knob."""
@@ -164,12 +170,12 @@ def _paged_attention_kernel(
         if PREFETCH:
             # this tile's page ids came with the previous iteration: the K/V addresses do not
             # wait on a load of this iteration, so the loads can be issued (and pipelined) early
-            offs = page.to(tl.int64) * stride_kb + (n % PAGE) * stride_ks + kv_head * stride_kh
+            offs = _kv_offsets(page, n, kv_head, PAGE, stride_kb, stride_ks, stride_kh)
             n_next = n + BLOCK_N
             page = tl.load(pages + n_next // PAGE, mask=n_next < kv_end, other=0)
         else:
             page = tl.load(pages + n // PAGE, mask=n_ok, other=0)
-            offs = page.to(tl.int64) * stride_kb + (n % PAGE) * stride_ks + kv_head * stride_kh
+            offs = _kv_offsets(page, n, kv_head, PAGE, stride_kb, stride_ks, stride_kh)
         k = _load_k(k_ptr, offs, d, n_ok, K_ROWS).to(q.dtype)  # a float8 cache: widened
         s = tl.dot(q, k) * qk_scale
         s = tl.where((n[None, :] <= q_pos[:, None]) & n_ok[None, :], s, float("-inf"))

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from kernels.launch import pdl_enter, pdl_launch
-from kernels.paged_attention import _LOG2E, _check_same_strides, _load_k
+from kernels.paged_attention import _LOG2E, _check_same_strides, _kv_offsets, _load_k
 
 
 @triton.jit
@@ -79,12 +79,12 @@ def _decode_split_kernel(
         n = start + tl.arange(0, BLOCK_N)
         n_ok = n < hi
         if PREFETCH:  # the K/V addresses do not wait on a load of this iteration
-            offs = page.to(tl.int64) * stride_kb + (n % PAGE) * stride_ks + kv_head * stride_kh
+            offs = _kv_offsets(page, n, kv_head, PAGE, stride_kb, stride_ks, stride_kh)
             n_next = n + BLOCK_N
             page = tl.load(pages + n_next // PAGE, mask=n_next < hi, other=0)
         else:
             page = tl.load(pages + n // PAGE, mask=n_ok, other=0)
-            offs = page.to(tl.int64) * stride_kb + (n % PAGE) * stride_ks + kv_head * stride_kh
+            offs = _kv_offsets(page, n, kv_head, PAGE, stride_kb, stride_ks, stride_kh)
         k = _load_k(k_ptr, offs, d, n_ok, K_ROWS).to(q.dtype)  # a float8 cache: widened
         s = tl.where(n_ok[None, :], tl.dot(q, k) * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))

@@ -285,19 +285,23 @@ class Session:
     # -- utterances --------------------------------------------------------------------------
 
     def _add_checked(self, utt: Utterance, segments: list[str]) -> None:
-        """Queues complete segments after the engine's text check (structural tokens, prompt
-        length with the voice); a segment it refuses ends the utterance with `bad_request`,
-        and any other failure ends it too before it propagates (never left running)."""
+        """Queues complete segments after `_check_texts`."""
+        self._check_texts(utt, segments)
+        utt.add_segments(segments)
+
+    def _check_texts(self, utt: Utterance, texts: list[str]) -> None:
+        """The engine's text check (structural tokens, prompt length with the utterance's
+        voice) on each text; a text it refuses ends the utterance with `bad_request`, and
+        any other failure ends it too before it propagates (never left running)."""
         try:
-            for segment in segments:
-                self.services.worker.check_text(segment, utt.voice)
+            for text in texts:
+                self.services.worker.check_text(text, utt.voice)
         except ConfigError as exc:
             self._end(utt, State.FAILED)
             raise ProtocolError("bad_request", str(exc), utt.id) from exc
         except BaseException:
             self._end(utt, State.FAILED)
             raise
-        utt.add_segments(segments)
 
     async def _open(self, message: dict, flushed: bool) -> Utterance:
         uid = message.get("id")
@@ -379,11 +383,9 @@ class Session:
             return  # cancelled while the voice was encoding
         utt.voice, utt.ready = voice.reference, True
         try:  # the segments so far were checked without the voice (prompt length with it)
-            for seg in utt.segments:
-                self.services.worker.check_text(seg.text, utt.voice)
-        except ConfigError as exc:
-            self._end(utt, State.FAILED)
-            self.send_error("bad_request", str(exc), utt.id)
+            self._check_texts(utt, [seg.text for seg in utt.segments])
+        except ProtocolError as exc:
+            self.send_error(exc.code, str(exc), exc.uid)
             return
         self._pump(utt)
 

@@ -187,6 +187,23 @@ async def assert_alive(ws, timeout: float = 30.0) -> list:
     return before
 
 
+def exchange(server, *frames, code: str) -> dict:
+    """Sends frames on a fresh connection, expects one error with `code`, then a pong with
+    nothing before it (the connection keeps working); returns the error."""
+
+    async def main():
+        async with open_ws(server.ws) as ws:
+            for frame in frames:
+                await ws.send(frame)
+            err = await expect_error(ws, code)
+            before_pong = await assert_alive(ws)
+            return err, before_pong
+
+    err, before_pong = run(main())
+    assert before_pong == [], f"unexpected messages: {before_pong}"
+    return err
+
+
 @dataclass
 class Utt:
     """Everything received for one utterance id."""

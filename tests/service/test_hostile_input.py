@@ -15,6 +15,7 @@ import pytest
 from .conftest import (
     assert_alive,
     b64,
+    exchange,
     expect_error,
     open_ws,
     recv_until,
@@ -35,18 +36,6 @@ def srv(make_server):
     return make_server(max_utterances=2, max_message_bytes=MAX_MESSAGE, max_upload_bytes=MAX_UPLOAD)
 
 
-def _exchange(server, *frames, code: str) -> dict:
-    async def main():
-        async with open_ws(server.ws) as ws:
-            for frame in frames:
-                await ws.send(frame)
-            err = await expect_error(ws, code)
-            assert await assert_alive(ws) == []
-            return err
-
-    return run(main())
-
-
 @pytest.mark.parametrize(
     "frame",
     [
@@ -62,7 +51,7 @@ def _exchange(server, *frames, code: str) -> dict:
     ids=["text", "id", "append", "transcript", "nested", "nested-in-ping", "nan", "infinity"],
 )
 def test_text_json_cannot_hold_is_bad_json(srv, frame):
-    _exchange(srv, frame, code="bad_json")
+    exchange(srv, frame, code="bad_json")
 
 
 def test_rejected_text_leaves_no_utterance_behind(srv):
@@ -90,18 +79,18 @@ def test_rejected_text_leaves_no_utterance_behind(srv):
 
 def test_the_engines_row_cap_is_not_a_protocol_parameter(srv):
     message = {"type": "speak", "id": "r", "text": "Hi.", "params": {"max_rows": 1}}
-    err = _exchange(srv, json.dumps(message), code="bad_parameter")
+    err = exchange(srv, json.dumps(message), code="bad_parameter")
     assert "max_duration_s" in err["message"]
 
 
 def test_upload_size_must_be_an_integer_not_a_boolean(srv):
-    _exchange(srv, json.dumps({"type": "voice.upload", "bytes": True}), code="bad_request")
+    exchange(srv, json.dumps({"type": "voice.upload", "bytes": True}), code="bad_request")
 
 
 def test_overlong_transcript_is_refused_before_any_work(srv):
     audio = b64(reference_audio(1.0))
     message = {"type": "voice.create", "audio_b64": audio, "transcript": "word " * 2000}
-    err = _exchange(srv, json.dumps(message), code="text_too_long")
+    err = exchange(srv, json.dumps(message), code="text_too_long")
     assert "4096" in err["message"]
     r = httpx.post(
         srv.http + "/v1/voices",
@@ -116,7 +105,7 @@ def test_a_sample_rate_too_costly_to_resample_is_refused_at_once(srv):
     seconds for a 0.6 s file. It is refused as audio_invalid in well under a second."""
     message = {"type": "voice.create", "audio_b64": b64(reference_audio(0.8, rate=7907))}
     start = time.monotonic()
-    err = _exchange(srv, json.dumps(message), code="audio_invalid")
+    err = exchange(srv, json.dumps(message), code="audio_invalid")
     assert "7907 Hz" in err["message"] and time.monotonic() - start < 5
     message["audio_b64"] = b64(reference_audio(0.8, rate=44100))  # 147:80: fine
 
@@ -210,7 +199,7 @@ def test_a_transcript_the_prompt_cannot_hold_is_refused_at_creation(srv):
     when the voice is created (WebSocket, HTTP, and an inline voice of a speak)."""
     audio = b64(reference_audio(1.0))
     message = {"type": "voice.create", "audio_b64": audio, "transcript": "<|audio|> hi"}
-    err = _exchange(srv, json.dumps(message), code="bad_request")
+    err = exchange(srv, json.dumps(message), code="bad_request")
     assert "structural" in err["message"]
     r = httpx.post(
         srv.http + "/v1/voices", json={"audio_b64": audio, "transcript": "<|audio|>"}, timeout=30
@@ -242,7 +231,7 @@ def test_http_routing_errors_are_json(srv):
 
 def test_mistyped_output_and_stream_are_refused(srv):
     message = {"type": "speak", "id": "o", "text": "Hi.", "output": [["format", "wav"]]}
-    err = _exchange(srv, json.dumps(message), code="bad_parameter")
+    err = exchange(srv, json.dumps(message), code="bad_parameter")
     assert "output must be an object" in err["message"]
     r = httpx.post(srv.http + "/v1/audio/speech", json={"input": "Hi.", "stream": "false"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "bad_request", r.text

@@ -15,6 +15,7 @@ from .conftest import (
     assert_alive,
     check_complete,
     collect,
+    exchange,
     expect_error,
     frames_for,
     open_ws,
@@ -32,29 +33,13 @@ def small(make_server):
     return make_server(max_message_bytes=MAX_MESSAGE, max_text_chars=MAX_TEXT, max_utterances=2)
 
 
-def _exchange(server, *frames, code: str) -> dict:
-    """Sends frames on a fresh connection, expects one error with `code`, then a pong."""
-
-    async def main():
-        async with open_ws(server.ws) as ws:
-            for frame in frames:
-                await ws.send(frame)
-            err = await expect_error(ws, code)
-            before_pong = await assert_alive(ws)
-            return err, before_pong
-
-    err, before_pong = run(main())
-    assert before_pong == [], f"unexpected messages: {before_pong}"
-    return err
-
-
 @pytest.mark.parametrize(
     "frame",
     ["{not json", "", '"a string"', "[1, 2, 3]", "42", "null"],
     ids=["broken", "empty", "string", "array", "number", "null"],
 )
 def test_bad_json(small, frame):
-    err = _exchange(small, frame, code="bad_json")
+    err = exchange(small, frame, code="bad_json")
     assert "id" not in err
 
 
@@ -64,17 +49,17 @@ def test_bad_json(small, frame):
     ids=["unknown", "missing", "not-a-string", "case"],
 )
 def test_unknown_type(small, message):
-    _exchange(small, json.dumps(message), code="unknown_type")
+    exchange(small, json.dumps(message), code="unknown_type")
 
 
 def test_binary_frame_without_upload(small):
-    _exchange(small, b"\x00\x01\x02 not announced", code="unexpected_binary")
+    exchange(small, b"\x00\x01\x02 not announced", code="unexpected_binary")
 
 
 def test_text_frame_over_max_message_bytes_keeps_the_connection(small):
     big = json.dumps({"type": "speak", "id": "big", "text": "x" * (MAX_MESSAGE + 100)})
     assert MAX_MESSAGE < len(big) < 2 * MAX_MESSAGE
-    err = _exchange(small, big, code="message_too_large")
+    err = exchange(small, big, code="message_too_large")
     assert str(MAX_MESSAGE) in err["message"]
 
 
@@ -91,13 +76,13 @@ def test_frame_over_transport_limit_closes_with_1009(small):
 
 
 def test_unknown_voice(small):
-    err = _exchange(small, speak("u1", voice_id="v_does_not_exist"), code="unknown_voice")
+    err = exchange(small, speak("u1", voice_id="v_does_not_exist"), code="unknown_voice")
     assert err["id"] == "u1"
 
 
 @pytest.mark.parametrize("text", ["", "   \n\t "])
 def test_empty_text(small, text):
-    err = _exchange(small, speak("e1", text), code="empty_text")
+    err = exchange(small, speak("e1", text), code="empty_text")
     assert err["id"] == "e1"
 
 
@@ -121,7 +106,7 @@ def test_empty_text_on_flush(small):
 
 
 def test_text_too_long(small):
-    err = _exchange(small, speak("t1", "a" * (MAX_TEXT + 1)), code="text_too_long")
+    err = exchange(small, speak("t1", "a" * (MAX_TEXT + 1)), code="text_too_long")
     assert err["id"] == "t1"
     # exactly at the limit is accepted
     ok = "word " * (MAX_TEXT // 5)
@@ -175,7 +160,7 @@ def test_bad_parameter(small, name):
     message = {"type": "speak", "id": "p1", "text": "Hello.", **BAD_PARAMS[name]}
     if "params" in BAD_PARAMS[name] and isinstance(message["params"], dict):
         message["params"].setdefault("max_duration_s", 1.0)
-    err = _exchange(small, json.dumps(message), code="bad_parameter")
+    err = exchange(small, json.dumps(message), code="bad_parameter")
     assert err["id"] == "p1"
 
 
@@ -194,7 +179,7 @@ def test_bad_parameter(small, name):
     ids=["no-id", "int-id", "empty-id", "long-id", "text-int", "append-no-text", "upload", "b64"],
 )
 def test_missing_or_mistyped_fields(small, message):
-    _exchange(small, json.dumps(message), code="bad_request")
+    exchange(small, json.dumps(message), code="bad_request")
 
 
 def test_duplicate_id_while_running_then_reusable_after_done(small):
@@ -222,7 +207,7 @@ def test_duplicate_id_while_running_then_reusable_after_done(small):
 
 @pytest.mark.parametrize("kind", ["cancel", "flush"])
 def test_cancel_or_flush_unknown_id(small, kind):
-    err = _exchange(small, json.dumps({"type": kind, "id": "never"}), code="unknown_id")
+    err = exchange(small, json.dumps({"type": kind, "id": "never"}), code="unknown_id")
     assert err["id"] == "never"
 
 
@@ -260,13 +245,13 @@ def test_too_many_utterances(small):
 def test_corrupt_reference_audio(small):
     garbage = base64.b64encode(b"this is not audio at all " * 40).decode()
     message = {"type": "voice.create", "audio_b64": garbage, "request_id": "req-7"}
-    err = _exchange(small, json.dumps(message), code="audio_undecodable")
+    err = exchange(small, json.dumps(message), code="audio_undecodable")
     assert err["request_id"] == "req-7"
 
 
 def test_invalid_base64(small):
     message = {"type": "voice.create", "audio_b64": "@@not base64!!", "request_id": "req-8"}
-    _exchange(small, json.dumps(message), code="bad_request")
+    exchange(small, json.dumps(message), code="bad_request")
 
 
 def test_voice_upload_size_mismatch(small):
@@ -289,4 +274,4 @@ def test_voice_upload_size_mismatch(small):
 def test_voice_upload_over_the_upload_limit(small):
     limit = small.services.settings.limits.max_upload_bytes
     message = {"type": "voice.upload", "bytes": limit + 1, "request_id": "up-2"}
-    _exchange(small, json.dumps(message), code="message_too_large")
+    exchange(small, json.dumps(message), code="message_too_large")
