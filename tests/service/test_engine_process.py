@@ -276,6 +276,25 @@ def test_the_engine_process_profiles_busy_steps_on_request(model_cache, tmp_path
     assert not process.alive
 
 
+def test_after_stop_requests_fail_clearly_and_stop_again_is_harmless(model_cache):
+    """stop() releases the queues to the engine process (their semaphores go with them): a
+    request, an abort or an encode afterwards never touches them; stopping twice is fine."""
+    from engine import EngineConfig
+    from service.engine_process import EngineSpec
+
+    process = EngineProcess(EngineSpec(None, EngineConfig(device="cpu"), cache_dir=model_cache))
+    process.start()
+    process.stop()
+    assert not process.alive
+    done = process.submit("late", "hello", None, SamplingParams(max_rows=4), lambda o: None)
+    with pytest.raises(RuntimeError, match="engine"):
+        done.result(timeout=1)
+    process.abort("late")  # nothing to tell: no error
+    with pytest.raises(RuntimeError, match="engine"):
+        process.encode_reference(b"RIFF", None).result(timeout=1)
+    process.stop()
+
+
 @pytest.mark.parametrize(
     "value",
     ["5", "a,b,c", "1,0,x", "-1,3,x", "1,3,", "1,3,x,gpu", "1,3,x,torch,n", "1,3,x,torch,1,2"],
