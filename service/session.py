@@ -408,8 +408,9 @@ class Session:
             if utt.state is not State.RUNNING:
                 return
         if utt.complete:
+            tail = utt.encoder.finish()
             utt.state = State.DONE
-            self._queue_audio(utt, utt.encoder.finish(), True, None, None)
+            self._queue_audio(utt, tail, True, None, None)
             self._forget(utt)
 
     def _sink(self, request_id: str):
@@ -431,6 +432,15 @@ class Session:
         utt, index = entry
         if utt.state is not State.RUNNING:
             return
+        try:
+            self._take_output(utt, index, request_id, out)
+        except Exception:  # a bug: this utterance ends with `internal`, not silence forever
+            log.exception("handling engine output for %s failed", utt.id)
+            if utt.state is State.RUNNING:
+                self._end(utt, State.FAILED)
+                self.send_error("internal", "the server failed to produce this audio", utt.id)
+
+    def _take_output(self, utt: Utterance, index: int, request_id: str, out) -> None:
         seg = utt.segments[index]
         if isinstance(out, BaseException) or out.finish_reason == "error":
             detail = (

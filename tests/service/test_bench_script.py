@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,8 +14,16 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _bench(tmp_path, model_cache, port: int, *extra: str) -> tuple[dict, str]:
+def _free_port() -> int:
+    """A loopback port nothing listens on now (two test runs on one host never share one)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _bench(tmp_path, model_cache, *extra: str) -> tuple[dict, str]:
     """serve_bench at C = 2 (1 warm-up, 3 timed requests, one start): the pooled figures."""
+    port = _free_port()
     env = {**os.environ, "CLONECAST_CACHE_DIR": str(model_cache), "CLONECAST_DEVICE": "cpu"}
     cmd = [sys.executable, "benchmarks/serve_bench.py", *extra, "--concurrency", "2"]
     cmd += ["--requests", "3", "--warmup", "1", "--starts", "1", "--port", str(port)]
@@ -26,7 +35,7 @@ def _bench(tmp_path, model_cache, port: int, *extra: str) -> tuple[dict, str]:
 
 
 def test_serve_bench_smoke(tmp_path, model_cache):
-    pool, stdout = _bench(tmp_path, model_cache, 8811)
+    pool, stdout = _bench(tmp_path, model_cache)
     assert pool["first_payloads"] == [15360]
     assert pool["audio_s_per_s"] > 0 and pool["ttfa_p50"] > 0
     assert "pool" in stdout
@@ -35,7 +44,7 @@ def test_serve_bench_smoke(tmp_path, model_cache):
 def test_simulated_server_runs_the_same_protocol(tmp_path, model_cache):
     """`--sim`: the real service with the GPU work replaced by waits (benchmarks/sim_server.py).
     Steps of 20 + 0 ms: 2 clients of 3 requests each need at least 15 steps to first audio."""
-    pool, _ = _bench(tmp_path, model_cache, 8813, "--sim", "--step-ms 20+0 --codec-ms 1")
+    pool, _ = _bench(tmp_path, model_cache, "--sim", "--step-ms 20+0 --codec-ms 1")
     assert pool["first_payloads"] == [15360]
     assert pool["ttfa_mean"] >= 15 * 20  # the simulated step time really paces the engine
     # the server's own figures inside the saturated window (benchmarks/metrics_window.py)

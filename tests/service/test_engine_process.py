@@ -102,9 +102,13 @@ def test_a_request_id_reused_after_an_abort_gets_only_its_own_events(server):
     worker.submit("same-id", "the first one", None, SamplingParams(max_rows=400), first.append)
     with pytest.raises(ConfigError, match="already in use"):
         worker.submit("same-id", "a twin", None, SamplingParams(max_rows=4), sink2).result(30)
-    time.sleep(0.5)  # the first is running and streaming
+    deadline = time.monotonic() + 30
+    while not first and time.monotonic() < deadline:  # the first is running and streaming
+        time.sleep(0.02)
     worker.abort("same-id")
     n_first = len(first)
+    assert n_first > 0, "the first request produced no output before its abort"
+    assert not isinstance(first[0], BaseException) and first[0].audio is not None
     # seeded: an unseeded draw of the random test model once ended with "eos" (a local run)
     worker.submit("same-id", "the second one", None, SamplingParams(max_rows=30, seed=7), sink2)
     assert done.wait(60)

@@ -25,34 +25,38 @@ def test_eager_flag_and_capacity(monkeypatch):
     assert settings.cuda_graphs is False and settings.max_num_seqs == 128
 
 
+def _engine_config(settings):
+    """The engine configuration the service builds from `settings` (what start() uses)."""
+    from service.app import Services
+
+    return Services(settings)._engine_config()
+
+
 def test_attention_backend_is_passed_to_the_engine(monkeypatch):
     """CLONECAST_ATTENTION_BACKEND selects a FlashAttention backend where present; a bad
     value or one this machine cannot run is the engine's configuration error at start."""
-    from engine import ConfigError, EngineConfig
+    from engine import ConfigError
 
     monkeypatch.delenv("CLONECAST_ATTENTION_BACKEND", raising=False)
     assert ServiceSettings.from_env().attention_backend == "auto"
+    monkeypatch.setenv("CLONECAST_ATTENTION_BACKEND", "torch")
+    assert _engine_config(ServiceSettings.from_env(device="cpu")).attention_backend == "torch"
     monkeypatch.setenv("CLONECAST_ATTENTION_BACKEND", "flash")
-    settings = ServiceSettings.from_env()
+    settings = ServiceSettings.from_env(device="cpu")
     assert settings.attention_backend == "flash"
-    with pytest.raises(ConfigError, match="needs CUDA"):
-        EngineConfig(device="cpu", attention_backend=settings.attention_backend)
+    with pytest.raises(ConfigError, match="needs CUDA"):  # refused when the service builds it
+        _engine_config(settings)
 
 
 def test_kv_cache_dtype_is_passed_to_the_engine(monkeypatch):
     """CLONECAST_KV_CACHE_DTYPE=fp8 reaches the engine's config; a bad value is the engine's
     configuration error at start, naming the choices."""
     from engine import ConfigError
-    from service.app import Services
 
     monkeypatch.delenv("CLONECAST_KV_CACHE_DTYPE", raising=False)
     assert ServiceSettings.from_env().kv_cache_dtype == "auto"
     monkeypatch.setenv("CLONECAST_KV_CACHE_DTYPE", "fp8")
-    settings = ServiceSettings.from_env(device="cpu")
-    assert (
-        Services._engine_config(type("App", (), {"settings": settings})()).kv_cache_dtype == "fp8"
-    )
+    assert _engine_config(ServiceSettings.from_env(device="cpu")).kv_cache_dtype == "fp8"
     monkeypatch.setenv("CLONECAST_KV_CACHE_DTYPE", "int4")
-    bad = ServiceSettings.from_env(device="cpu")
     with pytest.raises(ConfigError, match="auto or fp8"):
-        Services._engine_config(type("App", (), {"settings": bad})())
+        _engine_config(ServiceSettings.from_env(device="cpu"))

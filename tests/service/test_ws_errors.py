@@ -275,3 +275,36 @@ def test_voice_upload_over_the_upload_limit(small):
     limit = small.services.settings.limits.max_upload_bytes
     message = {"type": "voice.upload", "bytes": limit + 1, "request_id": "up-2"}
     exchange(small, json.dumps(message), code="message_too_large")
+
+
+@pytest.mark.parametrize("where", ["encode", "finish"])
+def test_a_server_failure_while_streaming_ends_that_utterance_with_internal(
+    small, monkeypatch, where
+):
+    """A bug while turning engine output into audio (here: the 16 kHz encoder raises, on a
+    chunk or at the end) ends its utterance with `internal` at once instead of leaving the
+    client waiting; the other utterance on the socket completes."""
+    from service.audio_format import StreamEncoder
+
+    original = getattr(StreamEncoder, where)
+
+    def failing(self, *args):
+        if self.fmt.sample_rate == 16000:
+            raise RuntimeError("injected encoder failure")
+        return original(self, *args)
+
+    monkeypatch.setattr(StreamEncoder, where, failing)
+    resampled = {"format": "pcm16", "sample_rate": 16000}
+
+    async def main():
+        async with open_ws(small.ws) as ws:
+            await ws.send(speak("broken", dur=1.0, seed=3, output=resampled))
+            await ws.send(speak("fine", dur=1.0, seed=4))
+            utts = await collect(ws, ["broken", "fine"], timeout=30)
+            await assert_alive(ws)
+            return utts
+
+    utts = run(main())
+    assert [e["code"] for e in utts["broken"].errors] == ["internal"]
+    assert utts["broken"].done is None
+    check_complete(utts["fine"])

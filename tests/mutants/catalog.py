@@ -1,0 +1,124 @@
+"""Known mutants: deliberate bugs a listener or a client would notice, each with the fast
+tests that must catch it. `tests/mutants/run.py` applies them one at a time to a scratch copy
+of the tree. Each edit replaces text that must occur exactly once in its file, so a mutant
+whose code has moved on is reported as stale instead of silently testing nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+CONTENT = "tests/service/test_audio_content.py"
+WS = CONTENT + "::test_websocket_audio_equals_the_engines"
+HTTP = CONTENT + "::test_http_speech_equals_the_engines"
+STREAM = "tests/engine/test_stream_content.py"
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    path: str  # relative to the repository root
+    old: str  # occurs exactly once in `path`
+    new: str
+    tests: tuple[str, ...]  # pytest arguments: the fast tests that must fail
+    what: str  # the bug, as a user would see it
+
+
+MUTANTS = (
+    Mutant(
+        "voice-dropped",
+        "service/engine_process.py",
+        '("add", wire, text, reference, params)',
+        '("add", wire, text, None, params)',
+        (f"{WS}[clone-one]", f"{HTTP}[http-clone-two-whole]"),
+        "every request reaches the engine without its voice",
+    ),
+    Mutant(
+        "silence-sent",
+        "service/audio_format.py",
+        "return self._with_header(pcm16)",
+        "return self._with_header(bytes(len(pcm16)))",
+        (f"{WS}[plain-one]", f"{HTTP}[http-plain-whole]"),
+        "24 kHz PCM16 audio is replaced by silence of the same length",
+    ),
+    Mutant(
+        "wrong-rate-in-audio-header",
+        "service/session.py",
+        '"sample_rate": utt.format.sample_rate,',
+        '"sample_rate": 24000,',
+        (f"{WS}[clone-two-16k]",),
+        "the `audio` message announces 24 kHz whatever rate was asked for",
+    ),
+    Mutant(
+        "wrong-rate-in-wav-header",
+        "service/http_api.py",
+        "wav_header(fmt.sample_rate, len(audio) - 44)",
+        "wav_header(24000, len(audio) - 44)",
+        (f"{HTTP}[http-clone-22k-whole]",),
+        "a WAV file from /v1/audio/speech says 24 kHz whatever its rate",
+    ),
+    Mutant(
+        "frame-dropped-at-chunk-boundary",
+        "engine/streaming.py",
+        "        start = self.emitted\n",
+        "        start = self.emitted + (self.index == 1)\n",
+        (STREAM,),
+        "the first frame after the 320 ms chunk is never heard",
+    ),
+    Mutant(
+        "delay-off-by-one-codebook",
+        "engine/streaming.py",
+        "codes = span[_CODEBOOKS + np.arange(n), _CODEBOOKS]",
+        "codes = span[np.maximum(_CODEBOOKS - 1, 0) + np.arange(n), _CODEBOOKS]",
+        (STREAM,),
+        "codebook c is read from row f + c - 1 instead of f + c when undelaying",
+    ),
+    Mutant(
+        "seed-ignored",
+        "service/protocol.py",
+        "sampling = SamplingParams.from_dict(raw)",
+        "sampling = SamplingParams.from_dict({k: v for k, v in raw.items() if k != 'seed'})",
+        (f"{WS}[plain-one]",),
+        "a request's seed is dropped: seeded requests are not reproducible",
+    ),
+    Mutant(
+        "resampler-restarted-per-chunk",
+        "service/audio_format.py",
+        "x = self._resampler.push(x)",
+        "x = StreamingResampler(self.fmt.sample_rate).push(x)",
+        (f"{WS}[clone-two-16k]",),
+        "resampled streams lose the context across chunk cuts (clicks, lost samples)",
+    ),
+    Mutant(
+        "cancel-ignored",
+        "service/session.py",
+        "        self._end(utt, State.CANCELLED)\n        self.cancelled_ids.pop(uid, None)\n",
+        "        self.cancelled_ids.pop(uid, None)\n",
+        ("tests/service/test_ws_protocol.py::test_cancel_stops_audio_and_frees_the_engine",),
+        "cancel is acknowledged but the audio keeps coming",
+    ),
+    Mutant(
+        "request-id-not-echoed",
+        "service/session.py",
+        '"request_id": request_id,',
+        '"request_id": None,',
+        ("tests/service/test_voices.py::test_ws_voice_create_speak_and_cache",),
+        "voice.created does not say which request it answers",
+    ),
+    Mutant(
+        "eoc-not-ending",
+        "engine/delay_state.py",
+        "done = ending & (new_countdown == 0)",
+        "done = ending & (new_countdown < 0)",
+        ("tests/engine/test_delay_state.py", "tests/engine/test_async_scheduling.py"),
+        "an utterance that emitted its end code goes on to the length cap",
+    ),
+    Mutant(
+        "prefix-hit-wrong-blocks",
+        "engine/block_manager.py",
+        "            blocks.append(block)\n",
+        "            blocks.append(self._block_of[hashes[0]])\n",
+        ("tests/engine/test_parity.py::test_prefix_cache_hit[torch]",),
+        "a prefix-cache hit maps every cached block to the first one",
+    ),
+)
