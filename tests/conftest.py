@@ -38,6 +38,24 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _interpreter_decode_splits():
+    """In Triton's CPU interpreter every program runs one after another. The split-KV decode
+    target is sized for the H200 (264 programs: two per multiprocessor), which gives a decode
+    launch of a few short sequences 32 splits, nearly all empty, and made the interpreted
+    engine tests spend most of their time there; 16 programs still take the split path (2 to
+    8 splits) and the one-pass kernel from 8 sequences and KV heads on. Kernel tests choose
+    their splits explicitly and are unaffected."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        yield
+        return
+    from engine.attention import TritonAttention
+
+    saved, TritonAttention.split_target = TritonAttention.split_target, 16
+    yield
+    TritonAttention.split_target = saved
+
+
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory):
     return write_checkpoint(tmp_path_factory.mktemp("tiny-ckpt"), TEST_TEXT_CONFIG, seed=7)
