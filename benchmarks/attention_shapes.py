@@ -171,19 +171,11 @@ def main() -> None:
         default = _bench(
             lambda a=args, m=max_q: paged_attention(*a, 128**-0.5, m), return_mode="median"
         )
-        # the same K/V in head-major memory (EngineConfig.kv_cache_layout="hnd")
-        hk, hv = (x.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3) for x in args[1:3])
-        hargs = (args[0], hk, hv, *args[3:])
-        out = paged_attention(*hargs, 128**-0.5, max_q)
-        assert float((out.float() - ref).norm() / ref.norm()) <= 1e-2, name
-        hnd = _bench(
-            lambda a=hargs, m=max_q: paged_attention(*a, 128**-0.5, m), return_mode="median"
-        )
         heads_first = _bench(
             lambda a=args, m=max_q: paged_attention(*a, 128**-0.5, m, heads_first=True),
             return_mode="median",
         )
-        # page ids read one tile ahead (EngineConfig.attention_prefetch_pages)
+        # page ids read one tile ahead (the plan's page_prefetch)
         out = paged_attention(*args, 128**-0.5, max_q, prefetch_pages=True)
         assert float((out.float() - ref).norm() / ref.norm()) <= 1e-2, name
         prefetch = _bench(
@@ -201,25 +193,20 @@ def main() -> None:
         floor_us = kv_bytes / 4.13e12 * 1e6
         best = results[0] if results else (float("nan"), "-")
         print(f"{name}: top 8 {results[:8]}")
-        times = (old, default, hnd, heads_first, prefetch)
+        times = (old, default, heads_first, prefetch)
         rows.append((name, *(t * 1e3 for t in times), *best, floor_us))
-    head = ("case", "BN=16 us", "default us", "hnd us", "hf us", "pf us", "best us")
+    head = ("case", "BN=16 us", "default us", "hf us", "pf us", "best us")
     print(
-        "\n{:<19}{:>9}{:>11}{:>8}{:>7}{:>7}{:>9}  {:<39}{:>9}".format(
-            *head, "best config", "floor us"
-        )
+        "\n{:<19}{:>9}{:>11}{:>7}{:>7}{:>9}  {:<39}{:>9}".format(*head, "best config", "floor us")
     )
-    for name, o, d, h, hf, pf, b, cfg, fl in rows:
-        print(
-            f"{name:<19}{o:>9.1f}{d:>11.1f}{h:>8.1f}{hf:>7.1f}{pf:>7.1f}{b:>9.1f}"
-            f"  {cfg:<39}{fl:>9.1f}"
-        )
+    for name, o, d, hf, pf, b, cfg, fl in rows:
+        print(f"{name:<19}{o:>9.1f}{d:>11.1f}{hf:>7.1f}{pf:>7.1f}{b:>9.1f}  {cfg:<39}{fl:>9.1f}")
     fused_table(wanted)
 
 
 def fused_table(wanted):
     """Decode cases the one-pass kernel serves (no context split): q/k-norm + RoPE with the
-    K/V store then attention, as two launches and as one (`fused_decode_attention`)."""
+    K/V store then attention, as two launches and as one (the plan's `fused_decode`)."""
     from engine.model import RotaryEmbedding
 
     print(

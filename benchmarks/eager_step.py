@@ -17,8 +17,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.floor import floor_ms  # noqa: E402
-from benchmarks.overrides import overrides  # noqa: E402
-from engine import Engine, EngineConfig, SamplingParams, VoiceReference  # noqa: E402
+from benchmarks.overrides import engine_config  # noqa: E402
+from engine import Engine, SamplingParams, VoiceReference  # noqa: E402
 
 
 def _add_batch(engine: Engine, prefix: str, batch: int, context: int, max_rows: int, seed: int):
@@ -114,16 +114,16 @@ def main() -> None:
         action="append",
         default=[],
         metavar="FIELD=VALUE",
-        help="an EngineConfig field for every variant, e.g. kv_cache_layout=hnd (repeatable)",
+        help="an EngineConfig or plan field for every variant, e.g. pdl=false (repeatable)",
     )
     args = ap.parse_args()
     variants = {
-        "torch-eager": dict(attention_backend="torch", cuda_graphs=False),
-        "triton-eager": dict(attention_backend="triton", cuda_graphs=False),
-        "triton-graphs": dict(attention_backend="triton", cuda_graphs=True),
+        "torch-eager": (dict(enforce_eager=True), dict(attention_backend="torch")),
+        "triton-eager": (dict(enforce_eager=True), dict(attention_backend="triton")),
+        "triton-graphs": (dict(enforce_eager=False), dict(attention_backend="triton")),
     }
     rows = []
-    for name, extra in variants.items():
+    for name, (extra, plan) in variants.items():
         if name not in args.variants.split(","):
             continue
         batches = [int(x) for x in args.batches.split(",")]
@@ -135,10 +135,10 @@ def main() -> None:
             # every request of the largest batch holds its context plus its row cap
             num_kv_blocks=max(batches) * (args.context + 2 * max(batches) + args.steps + 80) // 16
             + 64,
-            codec_graph_max_batch=0,  # codes only: no codec graphs to capture
             enable_prefix_caching=False,
         )
-        cfg = EngineConfig(**{**fields, **extra, **overrides(args.set)})  # --set wins
+        plan = {**plan, "codec_graph_max_batch": 0}  # codes only: no codec graphs to capture
+        cfg = engine_config({**fields, **extra}, plan, args.set)  # --set wins
         engine = Engine.from_pretrained(args.ckpt, cfg)
         for r in engine.capture_reports:
             print(
@@ -149,7 +149,7 @@ def main() -> None:
         for b in batches:
             ms, per_step, gpu_ms, launch_us = time_and_replay(engine, b, args.context, args.steps)
             rows.append((name, b, per_step, ms, floor_ms(b, args.context), gpu_ms, launch_us))
-        if args.profile and extra["cuda_graphs"]:
+        if args.profile and not extra["enforce_eager"]:
             profile_step(engine, 64, args.context, args.profile)
         del engine
         torch.cuda.empty_cache()

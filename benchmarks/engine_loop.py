@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.overrides import overrides  # noqa: E402
+from benchmarks.overrides import engine_config  # noqa: E402
 from benchmarks.serve_bench import TEXTS, durations, reference_wav, write_full  # noqa: E402
 
 
@@ -141,7 +141,7 @@ def main() -> None:
         action="append",
         default=[],
         metavar="FIELD=VALUE",
-        help="an EngineConfig field for this run, e.g. sampler_noise_kernel=true (repeatable)",
+        help="an EngineConfig or plan field for this run, e.g. noise_kernel=false (repeatable)",
     )
     ap.add_argument("--gil-load", type=float, default=0.0, help="second thread's GIL share")
     ap.add_argument("--gil-burst-us", type=float, default=300.0)
@@ -151,11 +151,11 @@ def main() -> None:
     model = None if args.model == "default" else args.model
     if model is not None:
         write_full(Path(model))
-    from engine import Engine, EngineConfig, default_device
+    from engine import Engine, default_device
 
     cs = [int(c) for c in args.concurrency.split(",")]
-    fields = dict(device=default_device(), max_num_seqs=max(cs), cuda_graphs=not args.eager)
-    config = EngineConfig(**{**fields, **overrides(args.set)})  # --set wins
+    fields = dict(device=default_device(), max_num_seqs=max(cs), enforce_eager=args.eager)
+    config = engine_config(fields, {}, args.set)  # --set wins
     t = time.perf_counter()
     engine = Engine.from_pretrained(model, config)
     print(f"engine ready in {time.perf_counter() - t:.1f} s", flush=True)
@@ -170,14 +170,14 @@ def main() -> None:
         ).start()
     results = []
     for mode in args.modes.split(","):
-        engine.config = dataclasses.replace(engine.config, async_scheduling=mode == "async")
+        engine.plan = dataclasses.replace(engine.plan, async_scheduling=mode == "async")
         for c in cs:
             res, _ = run(engine, reference, c, args.warmup_s, args.timed_s, False)
             results.append({"mode": mode, **res})
             print(results[-1], flush=True)
     stop.set()
     if args.profile:
-        engine.config = dataclasses.replace(engine.config, async_scheduling=True)
+        engine.plan = dataclasses.replace(engine.plan, async_scheduling=True)
         _, summary = run(engine, reference, max(cs), 3.0, 0.0, True)
         Path(args.profile).write_text(summary)
         print(summary.splitlines()[-1])

@@ -7,8 +7,8 @@
 #   SKIP_CODEC=1 skips the codec throughput table (CODEC_ARGS: its arguments)
 #   PYTEST_ARGS  tests to run (default: the whole suite; "" skips them); TESTS_K: a -k filter
 #   LOOP=1       the engine alone under the served load, async vs sync (LOOP_C: concurrencies)
-#   LOOP_AB      the same load per EngineConfig override set, e.g.
-#                "sampler_noise_kernel=true kv_cache_layout=hnd+sampler_noise_kernel=false"
+#   LOOP_AB      the same load per override set, e.g.
+#                "noise_kernel=false+few_row_gemm_rows=0" (EngineConfig or plan fields)
 #   SERVE=1      a reduced served run (SERVE_C: concurrencies, SERVE_N: timed requests,
 #                SERVE_MAX: the server's max_num_seqs, else its default 64; PYSPY="D S": py-spy
 #                attached D s after the server is ready for S s, server and engine process,

@@ -5,6 +5,7 @@ Public API (everything else in this package is internal):
   then `encode_reference`, `add_request`, `abort`, `step`, `has_unfinished`, `rows`,
   `generate`, `stats`.
 - `EngineConfig`, `SamplingParams`, `VoiceReference`: inputs, validated on construction
+- `ExecutionPlan`: how an engine runs on its device (`Engine.plan`), resolved from the config
   (`NUM_CODEBOOKS`: the width of a reference's code rows).
 - `StreamConfig`, `AudioLimits`: streaming chunk sizes; reference-audio limits.
 - `RequestOutput`, `AudioChunk`, `GenerationResult`, `EngineStats`: outputs.
@@ -24,6 +25,7 @@ _PUBLIC = {
     "UNTRAINED_NOTICE": "engine.checkpoint_writer",
     "ConfigError": "engine.config",
     "EngineConfig": "engine.config",
+    "ExecutionPlan": "engine.plan",
     "SamplingParams": "engine.config",
     "VoiceReference": "engine.config",
     "NUM_CODEBOOKS": "engine.config",

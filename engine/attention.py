@@ -6,10 +6,8 @@ The runner builds one `AttentionMetadata` per step and sets it around the forwar
 that metadata, never requests or the scheduler.
 
 KV cache per layer, as every backend sees it: `[2, num_blocks, block_size, num_kv_heads,
-head_dim]` with head_dim contiguous; position p of a sequence lives at slot
-`block_table[p // block_size] * block_size + p % block_size`. The memory behind it is either
-that order ("nhd") or head-major (`[2, num_blocks, num_kv_heads, block_size, head_dim]`
-permuted, "hnd": one head's page contiguous); backends address it through its strides.
+head_dim]`, contiguous; position p of a sequence lives at slot
+`block_table[p // block_size] * block_size + p % block_size`.
 """
 
 from __future__ import annotations
@@ -23,6 +21,7 @@ from typing import Protocol
 import torch
 
 from engine.config import ConfigError
+from engine.plan import ExecutionPlan
 
 
 @dataclass
@@ -94,7 +93,7 @@ class AttentionBackend(Protocol):
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
-    _, _, block_size, hkv, d = kv_cache.shape
+    hkv, d = kv_cache.shape[3:]
     if kv_cache.dtype == torch.float8_e4m3fn:
         # saturate as the kernels do (torch's cast gives NaN), then copy bytes: the CPU has no
         # float8 index_copy_
@@ -102,14 +101,9 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: to
         k, v = (x.clamp(-top, top).to(kv_cache.dtype).view(torch.uint8) for x in (k, v))
         kv_cache = kv_cache.view(torch.uint8)
     k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)
-    if kv_cache.is_contiguous():  # "nhd": a slot is one row of the flattened cache
-        flat = kv_cache.view(2, -1, hkv, d)
-        flat[0].index_copy_(0, slots, k)
-        flat[1].index_copy_(0, slots, v)  # about twice as fast as indexing (block, row)
-        return
-    blocks, rows = slots // block_size, slots % block_size  # any memory layout
-    kv_cache[0, blocks, rows] = k
-    kv_cache[1, blocks, rows] = v
+    flat = kv_cache.view(2, -1, hkv, d)  # a slot is one row of the flattened cache
+    flat[0].index_copy_(0, slots, k)
+    flat[1].index_copy_(0, slots, v)  # about twice as fast as indexing (block, row)
 
 
 class _StoreThenAttend:
@@ -117,7 +111,9 @@ class _StoreThenAttend:
     reference unless a backend has its own), then `attend`."""
 
     store = staticmethod(store_kv)
-    fuse_decode = False  # EngineConfig.fused_decode_attention (used by backends that can)
+
+    def __init__(self, plan: ExecutionPlan | None = None):
+        self.plan = plan or ExecutionPlan()
 
     def fuses_decode(self, meta, kv_cache) -> bool:
         """Whether `decode_fused` (q/k-norm + RoPE, K/V store and attention in one launch)
@@ -172,6 +168,11 @@ class TritonAttention(_StoreThenAttend):
     name = "triton"
     split_target = 264  # decode splits each context until about this many programs run
 
+    def __init__(self, plan: ExecutionPlan | None = None):
+        super().__init__(plan)
+        self.fuse_decode = self.plan.fused_decode  # one launch: decode steps that do not split
+        self.prefetch_pages = self.plan.page_prefetch  # page ids a tile ahead (one-pass)
+
     @staticmethod
     def store(k, v, kv_cache, slots):
         from kernels.kv_store import store_kv_fused
@@ -182,8 +183,6 @@ class TritonAttention(_StoreThenAttend):
         from kernels.paged_decode import decode_splits
 
         return decode_splits(meta.num_seqs, kv_cache.shape[3], self.split_target)
-
-    prefetch_pages = True  # EngineConfig.attention_prefetch_pages (one-pass launches)
 
     def _decode_knobs(self) -> dict:
         """Tiles of decode-only one-pass launches: with `prefetch_pages`, 32 keys a tile and
@@ -296,7 +295,8 @@ class FlashAttnAttention(_PackedContext):
 
     name = "flash"
 
-    def __init__(self):
+    def __init__(self, plan: ExecutionPlan | None = None):
+        super().__init__(plan)
         try:
             from flash_attn import flash_attn_varlen_func
         except ImportError as exc:
@@ -318,7 +318,6 @@ BACKENDS = {
 }
 
 
-def make_backend(name: str) -> AttentionBackend:
-    if name not in BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; available: {sorted(BACKENDS)}")
-    return BACKENDS[name]()
+def make_backend(plan: ExecutionPlan) -> AttentionBackend:
+    """The plan's attention backend, set up as the plan says."""
+    return BACKENDS[plan.attention_backend](plan)

@@ -8,7 +8,8 @@ module does) and imports no torch, so the bookkeeping modules can use it freely.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 NUM_CODEBOOKS = 8
@@ -144,7 +145,9 @@ class StreamConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Capacity and execution settings of one engine instance.
+    """What one engine instance serves: capacity and correctness. How it runs on its device
+    is the execution plan (engine/plan.py), resolved from `device`, `enforce_eager` and
+    `plan_overrides` (field name -> value, for A/B runs; checked against the plan's fields).
 
     `num_kv_blocks=None` sizes the cache from `kv_cache_memory_fraction` of free GPU memory on
     CUDA, or `max_num_seqs * max_model_len` tokens on the CPU.
@@ -158,78 +161,24 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory_fraction: float = 0.6
-    # Memory order of each layer's KV cache: "nhd" [blocks, page, heads, dim] or "hnd"
-    # [blocks, heads, page, dim] (one head's page contiguous). Backends see the same shape.
-    kv_cache_layout: str = "nhd"
     # The cache's element type: "auto" (the model's dtype) or "fp8" (float8 e4m3, no scale,
     # saturating at +-448): half the cache memory (twice the blocks) and half the bytes
     # attention reads each step; lossy. Triton or torch attention backends only.
     kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
-    # auto: triton on CUDA, torch on the CPU; varlen: PyTorch's FlashAttention; flash: the
-    # flash-attn package (optional extra). varlen and flash: CUDA, eager (no graphs).
-    attention_backend: str = "auto"
-    fused_kernels: bool = True  # Triton norm/RoPE/SiLU and codec Snake on CUDA; False: torch
-    # With fused kernels and the Triton backend: decode-only steps of enough sequences run
-    # q/k-norm + RoPE, the K/V store and attention as one launch per layer (the same numbers
-    # as two launches: bit for bit on the CPU, within rounding on the H200, where it is 1.4%
-    # faster a step at batch 64). None: on wherever it applies; True: required (a
-    # configuration error where it cannot apply); False: two launches.
-    fused_decode_attention: bool | None = None
-    # The one-pass attention kernel reads page ids one tile ahead, so the K/V loads do not
-    # wait on a load of their own iteration and are pipelined (the same numbers): decode-only
-    # steps with 32-key tiles (H200, batch 64 x 400 keys: 40.0 us a layer against 63.7),
-    # mixed prefill + decode steps with 64-key tiles (64 decode rows + a 50-token prefill in
-    # the 128-token graph: 51.2 us against 60.5). False: 64-key tiles without it.
-    attention_prefetch_pages: bool = True
-    # Triton launches of the forward use programmatic dependent launch (kernels/launch.py):
-    # each may start while the previous kernel finishes. None: on with fused kernels on a GPU
-    # of compute capability 9.0 or later; True: required (an error where it cannot apply).
-    pdl: bool | None = None
-    # Weight projections of steps with up to this many tokens (1..64) run our split-K Triton
-    # GEMM (kernels/skinny_gemm.py) instead of cuBLAS; 0: cuBLAS everywhere. None: 16 with
-    # fused kernels on a GPU (faster than cuBLAS there on the H200; at 64 rows it is not),
-    # else 0. A positive value needs fused kernels on a GPU.
-    skinny_gemm_rows: int | None = None
-    # The few-row GEMM fetches its tiles with the copy engine (TMA tensor descriptors)
-    # instead of per-thread loads. None: on where it applies (a GPU of compute capability
-    # 9.0+, projections with 16-byte aligned rows; on the H200 the batch-1 step went 3.11 ->
-    # 2.99 ms); True: required; False: per-thread loads.
-    skinny_gemm_tma: bool | None = None
-    cuda_graphs: bool = True  # FULL backbone graphs (CUDA with the Triton backend); False: eager
-    # The host schedules and launches step N+1 before it reads step N's rows (one step in
-    # flight); False: each step's rows are read before the next step is scheduled.
-    async_scheduling: bool = True
+    enforce_eager: bool = False  # no CUDA graphs (debugging, comparison)
     # Each step's events include one per generated row (`new_rows`); False: only audio chunks
     # and finishes (all a streaming server reads; saves building an event per row per step).
     row_events: bool = True
-    # CUDA priority of the stream the backbone and sampler run on (lower is higher; torch
-    # clamps to the device's range, e.g. -5..0); None: the thread's default stream. The codec
-    # has its own default-priority stream and a step of slack, so a higher-priority backbone
-    # gets the SMs first when both have work queued. Measured on the H200 at -5: no faster
-    # (docs/PERFORMANCE.md).
-    backbone_stream_priority: int | None = None
-    # The sampler's noise as one Triton launch on CUDA (kernels/noise.py; the same numbers as
-    # its torch definition, tested on the H200). False: the torch hash (several launches).
-    sampler_noise_kernel: bool = True
-    codec_dtype: str = "float32"
-    # Codec activations in NHWC memory on CUDA (no layout conversions around each cuDNN
-    # convolution); False: [B, C, T] as the checkpoint's own model runs.
-    codec_channels_last: bool = True
-    # Codec windows decoded together replay CUDA graphs (one per batch size and window shape,
-    # captured before any request) up to this batch; larger batches are decoded in slices of
-    # it. None: min(max_num_seqs, 64) (a step rarely completes more windows; each batch size
-    # costs capture time and memory); 0: no codec graphs.
-    codec_graph_max_batch: int | None = None
     stream: StreamConfig = StreamConfig()
     voice_cache_bytes: int = 64 * 1024 * 1024
+    plan_overrides: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name in ("dtype", "codec_dtype"):
-            if getattr(self, name) not in ("auto", "float32", "bfloat16", "float16"):
-                raise ConfigError(
-                    f"{name} must be auto/float32/bfloat16/float16, got {getattr(self, name)!r}"
-                )
+        from engine.plan import check_overrides
+
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError(f"dtype must be auto/float32/bfloat16/float16, got {self.dtype!r}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ConfigError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.max_num_batched_tokens < self.max_num_seqs:
@@ -241,44 +190,21 @@ class EngineConfig:
             raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ConfigError("num_kv_blocks must be >= 2 (block 0 is reserved for padding)")
-        if self.attention_backend not in ("auto", "torch", "triton", "varlen", "flash"):
-            raise ConfigError(
-                "attention_backend must be auto/torch/triton/varlen/flash, got "
-                f"{self.attention_backend!r}"
-            )
-        if self.attention_backend in ("varlen", "flash") and self.device == "cpu":
-            raise ConfigError(
-                f"attention_backend {self.attention_backend!r} (FlashAttention) needs CUDA"
-            )
         if not 0.0 < self.kv_cache_memory_fraction < 1.0:
             raise ConfigError("kv_cache_memory_fraction must be in (0, 1)")
-        if self.codec_graph_max_batch is not None and self.codec_graph_max_batch < 0:
-            raise ConfigError("codec_graph_max_batch must be >= 0 (0: no codec graphs)")
-        if self.fused_decode_attention is True and (
-            not self.fused_kernels or self.attention_backend in ("torch", "varlen", "flash")
-        ):
-            raise ConfigError(
-                "fused_decode_attention needs fused_kernels and the Triton attention backend"
-            )
-        if self.pdl is True and (self.device == "cpu" or not self.fused_kernels):
-            raise ConfigError("pdl needs fused_kernels on a CUDA device (compute capability 9+)")
-        if self.skinny_gemm_rows is not None and not 0 <= self.skinny_gemm_rows <= 64:
-            raise ConfigError(f"skinny_gemm_rows must be in 0..64, got {self.skinny_gemm_rows}")
-        if self.skinny_gemm_rows and (self.device == "cpu" or not self.fused_kernels):
-            raise ConfigError("skinny_gemm_rows needs fused_kernels on a CUDA device")
-        if self.skinny_gemm_tma and (self.device == "cpu" or not self.fused_kernels):
-            raise ConfigError("skinny_gemm_tma needs fused_kernels on a CUDA device")
-        if self.skinny_gemm_tma and self.skinny_gemm_rows == 0:
-            raise ConfigError("skinny_gemm_tma needs the few-row GEMM (skinny_gemm_rows > 0)")
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ConfigError(f"kv_cache_dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
-        if self.kv_cache_dtype == "fp8" and self.attention_backend in ("varlen", "flash"):
+        if not isinstance(self.plan_overrides, Mapping):
+            raise ConfigError("plan_overrides must be a mapping of plan field -> value")
+        # a copy: later changes to the caller's dict do not reach this config
+        object.__setattr__(self, "plan_overrides", dict(self.plan_overrides))
+        check_overrides(self.plan_overrides, self.device)
+        backend = self.plan_overrides.get("attention_backend")
+        if self.kv_cache_dtype == "fp8" and backend in ("varlen", "flash"):
             raise ConfigError(
                 "kv_cache_dtype='fp8' needs the triton (or torch) attention backend; the "
-                f"{self.attention_backend} backend reads a cache of the model's dtype"
+                f"{backend} backend reads a cache of the model's dtype"
             )
-        if self.kv_cache_layout not in ("nhd", "hnd"):
-            raise ConfigError(f"kv_cache_layout must be nhd or hnd, got {self.kv_cache_layout!r}")
 
     @property
     def max_blocks_per_seq(self) -> int:

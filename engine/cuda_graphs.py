@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-log = logging.getLogger("clonecast.graphs")
+from engine.plan import DEFAULT_BUCKETS
 
-DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+log = logging.getLogger("clonecast.graphs")
 
 
 def capture_query_bound(num_tokens: int, decode_only: bool, explicit: int | None = None) -> int:

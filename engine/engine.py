@@ -12,7 +12,6 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,15 +19,14 @@ import torch
 
 from engine.attention import make_backend
 from engine.audio_output import AudioOutput, RequestOutput
-from engine.auto_settings import resolve_dtype, resolve_pdl, resolve_skinny_tma
 from engine.block_manager import BlockManager
 from engine.checkpoint_writer import UNTRAINED_NOTICE, default_model_dir
 from engine.codec.audio_io import AudioLimits
 from engine.codec.codec import Codec
-from engine.codec.codec_graphs import CodecGraphs
 from engine.config import ConfigError, EngineConfig, SamplingParams, VoiceReference
-from engine.cuda_graphs import CudaGraphs, SamplerGraphs
-from engine.loader import load_model, resolve_checkpoint
+from engine.loader import load_model, read_config, resolve_checkpoint
+from engine.plan import ExecutionPlan, resolve_dtype
+from engine.plan import resolve as resolve_plan
 from engine.prompt import AudioRow, TextChecker, build_prompt
 from engine.request import FinishReason, Request
 from engine.runner import ModelRunner, PendingStep, auto_num_kv_blocks
@@ -37,7 +35,6 @@ from engine.stats import EngineStats, StepCounters
 from engine.tokenizer import HiggsTokenizer
 
 log = logging.getLogger("clonecast.engine")
-DEFAULT_CODEC_GRAPH_BATCH = 64  # codec graphs captured up to this batch unless configured
 
 
 @dataclass(frozen=True)
@@ -69,70 +66,34 @@ class Engine:
         self.checkpoint = checkpoint
         self.is_default_model = is_default
         device = torch.device(config.device)
-        dtype = resolve_dtype(config.dtype, device)
-        self.tokenizer = HiggsTokenizer(checkpoint)
-        backend = config.attention_backend
-        if backend == "auto":
-            backend = "triton" if device.type == "cuda" else "torch"
-        fused = device.type == "cuda" and config.fused_kernels
-        attention = make_backend(backend)
-        attention.fuse_decode = config.fused_decode_attention is not False  # where it applies
-        attention.prefetch_pages = config.attention_prefetch_pages
-        self.model, self.codec_keys = load_model(checkpoint, attention, device, dtype, fused)
-        self.model.pdl = resolve_pdl(config.pdl, fused, device)
-        skinny_rows = config.skinny_gemm_rows
-        if skinny_rows is None:  # auto: few-row steps, where the kernel beats cuBLAS
-            skinny_rows = 16 if fused else 0
-        if skinny_rows:
-            if not fused:
-                raise ConfigError("skinny_gemm_rows needs fused kernels on a CUDA device")
-            tma = resolve_skinny_tma(config.skinny_gemm_tma, self.model, device)
-            self.model.use_skinny_gemm(skinny_rows, tma=tma)
-        if config.max_model_len > self.model.config.max_position_embeddings:
+        _, model_config = read_config(checkpoint)
+        if config.max_model_len > model_config.max_position_embeddings:
             raise ConfigError(
                 f"max_model_len {config.max_model_len} exceeds the model's "
-                f"max_position_embeddings {self.model.config.max_position_embeddings}"
+                f"max_position_embeddings {model_config.max_position_embeddings}"
             )
+        self.plan = resolve_plan(config, model_config, device)
+        log.info("execution plan: %s", self.plan.describe())
+        self.tokenizer = HiggsTokenizer(checkpoint)
+        dtype = resolve_dtype(config.dtype, device)
+        backend = make_backend(self.plan)
+        self.model, self.codec_keys = load_model(checkpoint, backend, device, dtype, self.plan)
         num_blocks = config.num_kv_blocks or auto_num_kv_blocks(config, self.model, device)
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.blocks)
-        self.runner = ModelRunner(self.model, config, num_blocks)
-        self.codec = _load_codec(codec or checkpoint, config, device, codec is not None)
-        self.capture_reports = []
-        if config.cuda_graphs and device.type == "cuda":
-            self._capture_graphs(backend)
-        self._stream = None  # the backbone's stream; None: the calling thread's current one
-        if config.backbone_stream_priority is not None and device.type == "cuda":
-            torch.cuda.synchronize(device)  # weights, caches and graphs ready for any stream
-            self._stream = torch.cuda.Stream(device, priority=config.backbone_stream_priority)
+        self.runner = ModelRunner(self.model, config, self.plan, num_blocks)
+        self.codec = _load_codec(codec or checkpoint, config, self.plan, device, codec is not None)
+        # graphs before any request: backbone and sampler (the runner's), then the codec's
+        self.capture_reports = self.runner.capture_graphs()
+        if self.codec is not None:
+            report = self.codec.capture_graphs(config.stream)
+            self.capture_reports += [report] if report is not None else []
         self.audio_limits = AudioLimits()
         self.audio = AudioOutput(self.codec.chunks if self.codec else None, config.stream)
         self._counters = StepCounters()
         self._in_flight: PendingStep | None = None
         if is_default:
             log.warning(UNTRAINED_NOTICE)
-
-    def _capture_graphs(self, backend: str) -> None:
-        """Backbone graphs (Triton attention only), sampler graphs and codec graphs, before
-        any request."""
-        if backend == "triton":
-            self.runner.graphs = CudaGraphs(self.runner)
-            self.capture_reports.append(self.runner.graphs.capture())
-        self.runner.sampler_graphs = SamplerGraphs(self.runner)
-        # Sharing the backbone pool: a sampler output may sit where a backbone graph keeps
-        # temporaries. Safe because each step copies it to pinned memory before the next
-        # backbone replay (same stream); nothing may read it later than that.
-        pool = self.runner.graphs.pool if self.runner.graphs is not None else None
-        self.capture_reports.append(self.runner.sampler_graphs.capture(pool))
-        max_batch = self.config.codec_graph_max_batch
-        if max_batch is None:
-            max_batch = min(self.config.max_num_seqs, DEFAULT_CODEC_GRAPH_BATCH)
-        if self.codec is not None and max_batch > 0:
-            stream = self.config.stream
-            window = stream.left_context_frames + stream.chunk_frames + stream.holdback_frames
-            graphs = CodecGraphs(self.codec.decoder, max_batch, stream.first_chunk_frames, window)
-            self.capture_reports.append(graphs.capture())
-            self.codec.chunks.graphs = graphs
 
     @classmethod
     def from_pretrained(
@@ -207,16 +168,8 @@ class Engine:
             frames, _ = self.codec.encode_waveform(waveform, sample_rate, self.audio_limits)
         return VoiceReference(frames, text or None)
 
-    def _on_stream(self):
-        """Device work of step() and abort() goes to the backbone's stream, if it has one."""
-        return torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
-
     def abort(self, request_id: str) -> bool:
         """Stops a request and frees its KV blocks and slot; False if it is not known."""
-        with self._on_stream():
-            return self._abort(request_id)
-
-    def _abort(self, request_id: str) -> bool:
         request = self.scheduler.requests.get(request_id)
         if request is None:
             # finished, its last chunk still decoding: nothing more is reported for it
@@ -261,64 +214,55 @@ class Engine:
         step earlier and are not in the returned list; events keep their order either way. If
         `emit` raises, the step still reads its rows (the engine stays consistent) and the
         exception propagates, with those rows' events lost to the caller."""
-        with self._on_stream():
-            return self._step(emit)
+        timing = self._counters.timing
+        with timing():
+            outputs = self._read_first_if_short_of_blocks()
+            launched = self._schedule_and_launch()
+            pending = self._next_to_read(launched)
+            # Audio submitted by earlier steps has run beside the GPU work since: read it
+            # now, then this step's rows (which submit the windows they complete).
+            with timing("audio"):
+                outputs += self.audio.collect(self._finish)
+                outputs, emit_error = _emit_early(emit, outputs)
+            if pending is not None:
+                outputs += self._read(pending)  # times its own phases (gpu_wait, rows)
+            if emit_error is not None:
+                raise emit_error
+            if self._in_flight is None and launched is None:  # nothing on the GPU: hold no
+                with timing("audio"):  # audio back
+                    outputs += self.audio.collect(self._finish)
+            return outputs
 
-    def _step(self, emit=None) -> list[RequestOutput]:
-        t0 = time.perf_counter()
-        phases = self._counters.phases
-        early: list[RequestOutput] = []
-        if self._in_flight is not None and self.scheduler.short_of_blocks():
-            # Rows in flight may end requests and free their blocks: read them first rather
-            # than preempt a live request for want of blocks that are about to be freed.
-            pending, self._in_flight = self._in_flight, None
-            early = self._read(pending)
-        ts = time.perf_counter()
-        sched = self.scheduler.schedule()
-        t1 = time.perf_counter()
-        phases[0] += t1 - ts
-        self._counters.preemptions += len(sched.preempted)
-        launched = None
-        if sched.chunks:
-            runner = self.runner
+    def _read_first_if_short_of_blocks(self) -> list[RequestOutput]:
+        """Rows in flight may end requests and free their blocks: read them first rather
+        than preempt a live request for want of blocks that are about to be freed."""
+        if self._in_flight is None or not self.scheduler.short_of_blocks():
+            return []
+        pending, self._in_flight = self._in_flight, None
+        return self._read(pending)
+
+    def _schedule_and_launch(self) -> PendingStep | None:
+        with self._counters.timing("schedule"):
+            sched = self.scheduler.schedule()
+        with self._counters.timing("launch"):
+            self._counters.preemptions += len(sched.preempted)
+            if not sched.chunks:
+                return None
             for chunk in sched.chunks:
-                if not runner.has_request(chunk.request):  # newly admitted: takes its slot
-                    runner.add_request(chunk.request)
-            launched = runner.launch(sched)
-            on_chunk_done = self.scheduler.on_chunk_done
-            for chunk in sched.chunks:
-                on_chunk_done(chunk)
-                chunk.request.num_inflight += chunk.samples
+                if not self.runner.has_request(chunk.request):  # newly admitted: its slot
+                    self.runner.add_request(chunk.request)
+            launched = self.runner.launch(sched)
+            self.scheduler.on_launched(sched)
             self._counters.steps += 1
-        if self.config.async_scheduling:
-            pending, self._in_flight = self._in_flight, launched
-        else:
-            pending = launched
-        t2 = time.perf_counter()
-        phases[1] += t2 - t1
-        # Audio submitted by earlier steps has run beside the GPU work since: read it now,
-        # then this step's rows (which submit the windows they complete).
-        outputs = early + self.audio.collect(self._finish)
-        emit_error = None
-        if emit is not None and outputs:
-            try:
-                emit(outputs)
-            except Exception as exc:  # a caller's bug: still read the rows below
-                emit_error = exc
-            outputs = []
-        phases[2] += time.perf_counter() - t2
-        if pending is not None:
-            outputs += self._read(pending)  # counts its own phases (gpu_wait, rows)
-        if emit_error is not None:
-            self._counters.seconds += time.perf_counter() - t0
-            raise emit_error
-        if self._in_flight is None and launched is None:
-            # nothing left on the GPU: hold no audio back
-            t3 = time.perf_counter()
-            outputs += self.audio.collect(self._finish)
-            phases[2] += time.perf_counter() - t3
-        self._counters.seconds += time.perf_counter() - t0
-        return outputs
+            return launched
+
+    def _next_to_read(self, launched: PendingStep | None) -> PendingStep | None:
+        """The step whose rows this step reads: the one launched before it with
+        `async_scheduling` (this one stays in flight), else this one."""
+        if not self.plan.async_scheduling:
+            return launched
+        pending, self._in_flight = self._in_flight, launched
+        return pending
 
     def _read(self, pending: PendingStep) -> list[RequestOutput]:
         """`_complete`, but if reading fails the step's requests end with an error (the
@@ -328,27 +272,24 @@ class Engine:
         except Exception:
             for request in pending.requests:
                 if not request.is_finished:
-                    request.num_inflight = 0
+                    self.scheduler.on_rows_lost(request)
                     self._finish(request, FinishReason.ERROR)
             raise
 
     def _complete(self, pending: PendingStep) -> list[RequestOutput]:
         """Reads a launched step's rows (waits for them) and turns them into events."""
-        t0 = time.perf_counter()
-        sampled = pending.result()
-        t1 = time.perf_counter()
-        self._counters.phases[3] += t1 - t0
-        for request in sampled.requests:
-            request.num_inflight -= 1
-        updates = self._append_rows(sampled)
-        decoding = self.audio.submit(updates)
-        if not self.config.row_events:
-            updates = [u for u in updates if u[2] is not None]  # finishes only
-        outputs = [
-            self._output(request, row, reason, request.request_id in decoding)
-            for request, row, reason in updates
-        ]
-        self._counters.phases[4] += time.perf_counter() - t1
+        with self._counters.timing("gpu_wait"):
+            sampled = pending.result()
+        with self._counters.timing("rows"):
+            self.scheduler.on_rows_read(sampled.requests)
+            updates = self._append_rows(sampled)
+            decoding = self.audio.submit(updates)
+            if not self.config.row_events:
+                updates = [u for u in updates if u[2] is not None]  # finishes only
+            outputs = [
+                self._output(request, row, reason, request.request_id in decoding)
+                for request, row, reason in updates
+            ]
         return outputs
 
     def _append_rows(self, sampled) -> list[tuple[Request, AudioRow, FinishReason | None]]:
@@ -449,24 +390,27 @@ class Engine:
         )
 
 
+def _emit_early(emit, outputs: list[RequestOutput]) -> tuple[list, Exception | None]:
+    """Hands `outputs` to `emit` (if any): (what the step still returns, emit's exception).
+    A raising `emit` is a caller's bug; the step still reads its rows before re-raising."""
+    if emit is None or not outputs:
+        return outputs, None
+    try:
+        emit(outputs)
+    except Exception as exc:
+        return [], exc
+    return [], None
+
+
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _load_codec(path: Path, config: EngineConfig, device: torch.device, required: bool):
+def _load_codec(
+    path: Path, config: EngineConfig, plan: ExecutionPlan, device: torch.device, required: bool
+):
     try:
-        dtype = (
-            getattr(torch, config.codec_dtype) if config.codec_dtype != "auto" else torch.float32
-        )
-        cuda = device.type == "cuda"
-        return Codec.load(
-            path,
-            device,
-            dtype,
-            config.voice_cache_bytes,
-            cuda and config.fused_kernels,
-            cuda and config.codec_channels_last,
-        )
+        return Codec.load(path, device, config.voice_cache_bytes, plan)
     except ConfigError as exc:
         if required:
             raise

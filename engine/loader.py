@@ -18,6 +18,7 @@ from safetensors import safe_open
 from engine.attention import AttentionBackend
 from engine.config import ConfigError, ModelConfig
 from engine.model import HiggsModel
+from engine.plan import ExecutionPlan
 
 TEXT_EMBED_KEY = "tied.embedding.text_embedding.weight"
 AUDIO_TABLE_KEY = "tied.embedding.modality_embeddings.0.embedding.weight"
@@ -129,13 +130,14 @@ def load_model(
     backend: AttentionBackend,
     device: torch.device,
     dtype: torch.dtype,
-    fused: bool = False,
+    plan: ExecutionPlan | None = None,
 ) -> tuple[HiggsModel, list[str]]:
-    """Builds the model on `device` in `dtype` and fills it from the checkpoint. Returns the
-    model and the names of the codec keys found (loaded by the codec, not here)."""
+    """Builds the model on `device` in `dtype` as `plan` says (default: the plain torch path)
+    and fills it from the checkpoint. Returns the model and the names of the codec keys found
+    (loaded by the codec, not here)."""
     _, cfg = read_config(ckpt)
     with torch.device(device):
-        model = HiggsModel(cfg, backend, fused)
+        model = HiggsModel(cfg, backend, plan or ExecutionPlan())
     for p in model.parameters():
         p.data = p.data.to(dtype)
     params = dict(model.named_parameters())

@@ -16,6 +16,7 @@ from torch import nn
 
 from engine.attention import AttentionBackend, current_metadata
 from engine.config import ModelConfig
+from engine.plan import ExecutionPlan
 
 
 class RMSNorm(nn.Module):
@@ -235,10 +236,19 @@ class HiggsModel(nn.Module):
     """`forward(embeds [T, H], positions [T], kv_caches) -> hidden [T, H]` (after the final
     norm); `embed(...)` builds the input embeddings; `audio_logits(hidden)` -> `[R, 8, 1026]`."""
 
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, fused: bool = False):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, plan: ExecutionPlan):
+        """`plan`: fused_ops (Triton norm / RoPE / SiLU), few_row_gemm_rows and
+        few_row_gemm_tma (our GEMM for steps of up to that many tokens), pdl."""
         super().__init__()
         self.config = cfg
-        self.ops = TritonOps if fused else TorchOps
+        self.ops = TritonOps if plan.fused_ops else TorchOps
+        if plan.few_row_gemm_rows:
+            if not plan.fused_ops:
+                raise ValueError("the few-row GEMM needs the fused (Triton) ops")
+            # int32 zeros on the model's device, shared by every launch (each leaves them zero)
+            counters = torch.zeros(4096, dtype=torch.int32)
+            self.ops = SkinnyGemmOps(plan.few_row_gemm_rows, counters, tma=plan.few_row_gemm_tma)
+        self.pdl = plan.pdl  # Triton launches use programmatic dependent launch
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.audio_embed = nn.Embedding(cfg.num_codebooks * cfg.codebook_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
@@ -246,16 +256,6 @@ class HiggsModel(nn.Module):
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
         offsets = torch.arange(cfg.num_codebooks) * cfg.codebook_size
         self.register_buffer("codebook_offsets", offsets, persistent=False)  # [8]
-        self.pdl = False  # Triton launches use programmatic dependent launch (EngineConfig.pdl)
-
-    def use_skinny_gemm(self, max_rows: int, tma: bool = False):
-        """Projections of up to `max_rows` rows through kernels/skinny_gemm.py
-        (EngineConfig.skinny_gemm_rows, skinny_gemm_tma); needs the fused ops."""
-        if self.ops is TorchOps:
-            raise ValueError("the few-row GEMM needs the fused (Triton) ops")
-        device = self.embed_tokens.weight.device
-        counters = torch.zeros(4096, dtype=torch.int32, device=device)
-        self.ops = SkinnyGemmOps(max_rows, counters, tma=tma)
 
     def embed_audio(self, rows: torch.Tensor) -> torch.Tensor:
         """Summed audio embedding of rows `[N, 8]`, accumulated in fp32 and rounded once."""

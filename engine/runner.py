@@ -26,6 +26,7 @@ from engine.block_manager import NULL_BLOCK
 from engine.config import NUM_CODEBOOKS, EngineConfig
 from engine.delay_state import DelayState
 from engine.model import HiggsModel
+from engine.plan import ExecutionPlan
 from engine.request import Request
 from engine.sampler import Sampler
 from engine.scheduler import SchedulerOutput
@@ -124,23 +125,20 @@ class _Layout:
 
 
 class ModelRunner:
-    def __init__(self, model: HiggsModel, config: EngineConfig, num_kv_blocks: int):
+    def __init__(
+        self, model: HiggsModel, config: EngineConfig, plan: ExecutionPlan, num_kv_blocks: int
+    ):
         self.model = model
         self.config = config
+        self.plan = plan
         cfg = model.config
         self.device = model.embed_tokens.weight.device
         dtype = model.embed_tokens.weight.dtype
         cache_dtype = kv_cache_dtype(config, dtype)
-        # Every layer's cache as backends see it: [2, blocks, page, Hkv, D]; "hnd" allocates
-        # [2, blocks, Hkv, page, D] (one head's page contiguous) and hands out the permuted view.
-        hnd = config.kv_cache_layout == "hnd"
         shape = (2, num_kv_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim)
-        alloc = (shape[0], shape[1], shape[3], shape[2], shape[4]) if hnd else shape
         self.kv_caches = [
-            torch.zeros(alloc, dtype=cache_dtype, device=self.device) for _ in range(cfg.num_layers)
+            torch.zeros(shape, dtype=cache_dtype, device=self.device) for _ in range(cfg.num_layers)
         ]
-        if hnd:
-            self.kv_caches = [c.permute(0, 1, 3, 2, 4) for c in self.kv_caches]
         log.info(
             "KV cache: %d blocks of %d positions (%d tokens), %.2f GiB of %s",
             num_kv_blocks,
@@ -168,8 +166,7 @@ class ModelRunner:
         self.inputs = torch.zeros_like(first, device=self.device) if cuda else first
         self.pad_slot = config.max_num_seqs  # sampler state of padding rows
         self.delay = DelayState(config.max_num_seqs + 1, self.device)
-        noise_kernel = self.device.type == "cuda" and config.sampler_noise_kernel
-        self.sampler = Sampler(config.max_num_seqs + 1, self.device, noise_kernel)
+        self.sampler = Sampler(config.max_num_seqs + 1, self.device, plan.noise_kernel)
         self.sample_buckets = sample_buckets(config.max_num_seqs)
         self.sample_hidden = torch.zeros(
             config.max_num_seqs, cfg.hidden_size, dtype=dtype, device=self.device
@@ -181,8 +178,25 @@ class ModelRunner:
         self._tables = np.full((config.max_num_seqs, self.max_blocks), NULL_BLOCK, np.int64)
         self._table_lists: list[list[int] | None] = [None] * config.max_num_seqs
         self._table_lens = [0] * config.max_num_seqs
-        self.graphs = None  # a CudaGraphs once captured (CUDA and the Triton backend only)
-        self.sampler_graphs = None  # a SamplerGraphs once captured (CUDA only)
+        self.graphs = None  # a CudaGraphs once captured (plan.cuda_graphs)
+        self.sampler_graphs = None  # a SamplerGraphs once captured (plan.sampler_graphs)
+
+    def capture_graphs(self) -> list:
+        """Captures the graphs the plan asks for, before any request; their reports."""
+        from engine.cuda_graphs import CudaGraphs, SamplerGraphs
+
+        reports = []
+        if self.plan.cuda_graphs:
+            self.graphs = CudaGraphs(self, self.plan.graph_buckets)
+            reports.append(self.graphs.capture())
+        if self.plan.sampler_graphs:
+            self.sampler_graphs = SamplerGraphs(self)
+            # Sharing the backbone pool: a sampler output may sit where a backbone graph
+            # keeps temporaries. Safe because each step copies it to pinned memory before the
+            # next backbone replay (same stream); nothing may read it later than that.
+            pool = self.graphs.pool if self.graphs is not None else None
+            reports.append(self.sampler_graphs.capture(pool))
+        return reports
 
     @property
     def host(self) -> torch.Tensor:

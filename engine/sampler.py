@@ -6,7 +6,7 @@ counter-based hash of (request seed, row index, codebook, code), so it depends o
 the request: the same seed gives the same codes alone or inside any batch, needs no
 per-request generator objects, no host synchronisation. With `fused` the noise is one Triton
 launch (kernels/noise.py, the same hash) instead of about fifty elementwise kernels over
-`[R, 8 * 1026]` (the engine turns it on with `EngineConfig.sampler_noise_kernel`).
+`[R, 8 * 1026]` (the engine turns it on with the execution plan's `noise_kernel`).
 Temperature 0 is greedy argmax of the masked logits.
 """
 

@@ -218,6 +218,24 @@ class Scheduler:
 
     # -- after the step ----------------------------------------------------------------------
 
+    def on_launched(self, sched: SchedulerOutput) -> None:
+        """A step was launched: each chunk's computed count and prompt blocks advance, and the
+        row each sampling chunk will produce counts as in flight until `on_rows_read`."""
+        for chunk in sched.chunks:
+            self.on_chunk_done(chunk)
+            chunk.request.num_inflight += chunk.samples
+
+    @staticmethod
+    def on_rows_read(requests: list[Request]) -> None:
+        """A launched step's rows were read back: they are no longer in flight."""
+        for request in requests:
+            request.num_inflight -= 1
+
+    @staticmethod
+    def on_rows_lost(request: Request) -> None:
+        """A launched step's rows could not be read (the request is ended with an error)."""
+        request.num_inflight = 0
+
     def on_chunk_done(self, chunk: ScheduledChunk) -> None:
         """Advances the computed count and publishes newly completed prompt blocks."""
         request = chunk.request

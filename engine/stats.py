@@ -3,12 +3,14 @@ phases its host time per step is split into, and the running totals behind them.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 # The parts of Engine.step(), in order: scheduling; preparing and launching the GPU step; reading
 # back the codec's audio (waits for its events) and handing it to `emit`; waiting for the rows
 # of the step on the GPU; turning those rows into events (and submitting codec windows).
 STEP_PHASES = ("schedule", "launch", "audio", "gpu_wait", "rows")
+_PHASE_INDEX = {name: i for i, name in enumerate(STEP_PHASES)}
 
 
 @dataclass(frozen=True)
@@ -38,3 +40,25 @@ class StepCounters:
     steps: int = 0
     seconds: float = 0.0
     phases: list[float] = field(default_factory=lambda: [0.0] * len(STEP_PHASES))
+
+    def timing(self, phase: str | None = None) -> _Timing:
+        """`with counters.timing("audio"):` adds the block's wall time to that phase; without
+        a phase, to the total of step()."""
+        return _Timing(self, -1 if phase is None else _PHASE_INDEX[phase])
+
+
+class _Timing:
+    __slots__ = ("counters", "index", "start")
+
+    def __init__(self, counters: StepCounters, index: int):
+        self.counters, self.index = counters, index
+
+    def __enter__(self) -> None:
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc) -> None:
+        elapsed = time.perf_counter() - self.start
+        if self.index < 0:
+            self.counters.seconds += elapsed
+        else:
+            self.counters.phases[self.index] += elapsed

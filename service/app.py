@@ -97,14 +97,15 @@ class Services:
             self.metrics.capture_memory.labels(report.family, "reserved").set(report.reserved_bytes)
 
     def _engine_config(self) -> EngineConfig:
+        backend = self.settings.attention_backend
         return EngineConfig(
             device=_device(self.settings.device),
             max_num_seqs=self.settings.max_num_seqs,
             max_num_batched_tokens=max(512, self.settings.max_num_seqs),
-            cuda_graphs=self.settings.cuda_graphs,
-            attention_backend=self.settings.attention_backend,
+            enforce_eager=not self.settings.cuda_graphs,
             kv_cache_dtype=self.settings.kv_cache_dtype,
             row_events=False,  # sessions stream audio chunks and finishes only
+            plan_overrides={} if backend == "auto" else {"attention_backend": backend},
         )
 
     def _on_step(self, seconds: float, stats) -> None:

@@ -71,7 +71,7 @@ class ServiceSettings:
     allowed_origins: tuple[str, ...] = ()
     max_num_seqs: int = 64
     cuda_graphs: bool = True
-    attention_backend: str = "auto"  # EngineConfig.attention_backend (auto: Triton on CUDA)
+    attention_backend: str = "auto"  # the execution plan's (auto: Triton on CUDA, else torch)
     kv_cache_dtype: str = "auto"  # EngineConfig.kv_cache_dtype (fp8: float8 e4m3, lossy)
     gil_switch_ms: float = 0.5
     # The engine in a process of its own (service/engine_process.py): the server's event

@@ -74,7 +74,8 @@ async def ready(request: Request) -> Response:
         return error("not_ready", "the model is loading or warming up")
     if not services.worker.alive:
         return error("not_ready", "the engine stopped; the server needs a restart")
-    return JSONResponse({"status": "ready", "model": services.model_info()})
+    plan = services.worker.info.plan  # how the engine runs on its device
+    return JSONResponse({"status": "ready", "model": services.model_info(), "plan": plan})
 
 
 async def metrics(request: Request) -> Response:

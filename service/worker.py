@@ -44,6 +44,7 @@ class EngineInfo:
     has_codec: bool
     max_model_len: int
     capture_reports: tuple = ()
+    plan: dict | None = None  # the engine's execution plan, described
 
     @classmethod
     def of(cls, engine: Engine) -> EngineInfo:
@@ -53,6 +54,7 @@ class EngineInfo:
             engine.codec is not None,
             engine.config.max_model_len,
             tuple(engine.capture_reports),
+            engine.plan.describe(),
         )
 
 

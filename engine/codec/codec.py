@@ -10,10 +10,14 @@ import torch
 
 from engine.codec.audio_io import AudioLimits, decode_audio, prepare_waveform
 from engine.codec.chunk_decoder import ChunkDecoder
+from engine.codec.codec_graphs import CodecGraphs
 from engine.codec.config import CodecConfig
 from engine.codec.loader import build_decoder, load_codec_state
 from engine.codec.reference_encoder import ReferenceEncoder
 from engine.codec.voice_cache import Frames, VoiceCache
+from engine.config import StreamConfig
+from engine.cuda_graphs import CaptureReport
+from engine.plan import ExecutionPlan
 
 
 class Codec:
@@ -22,13 +26,17 @@ class Codec:
         cfg: CodecConfig,
         state: dict,
         device: torch.device,
-        dtype: torch.dtype,
         voice_cache_bytes: int,
-        fused: bool = False,
-        channels_last: bool = False,
+        plan: ExecutionPlan | None = None,
     ):
+        """`plan`: codec_dtype, fused_ops (Triton Snake), codec_channels_last (NHWC
+        activations), codec_graph_max_batch (see `capture_graphs`)."""
+        self.plan = plan = plan or ExecutionPlan()
         self.config = cfg
-        self.decoder = build_decoder(cfg, state, device, dtype, fused, channels_last)
+        dtype = getattr(torch, plan.codec_dtype)
+        self.decoder = build_decoder(
+            cfg, state, device, dtype, plan.fused_ops, plan.codec_channels_last
+        )
         self.chunks = ChunkDecoder(self.decoder)
         self.encoder = ReferenceEncoder(cfg, state, device)
         self.voices = VoiceCache(voice_cache_bytes)
@@ -38,15 +46,23 @@ class Codec:
         cls,
         path: Path,
         device: torch.device,
-        dtype: torch.dtype,
         voice_cache_bytes: int,
-        fused: bool = False,
-        channels_last: bool = False,
+        plan: ExecutionPlan | None = None,
     ) -> Codec:
-        """`fused`: Triton Snake activations in the decoder (CUDA only); `channels_last`: its
-        activations in NHWC memory."""
         cfg, state = load_codec_state(path)
-        return cls(cfg, state, device, dtype, voice_cache_bytes, fused, channels_last)
+        return cls(cfg, state, device, voice_cache_bytes, plan)
+
+    def capture_graphs(self, stream: StreamConfig) -> CaptureReport | None:
+        """Decoder graphs for the window shapes `stream` produces, batches up to the plan's
+        codec_graph_max_batch (none when it is 0); before any request."""
+        max_batch = self.plan.codec_graph_max_batch
+        if not max_batch:
+            return None
+        window = stream.left_context_frames + stream.chunk_frames + stream.holdback_frames
+        graphs = CodecGraphs(self.decoder, max_batch, stream.first_chunk_frames, window)
+        report = graphs.capture()
+        self.chunks.graphs = graphs
+        return report
 
     @torch.inference_mode()
     def decode(self, codes: torch.Tensor) -> torch.Tensor:

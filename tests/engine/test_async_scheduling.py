@@ -34,7 +34,7 @@ def _engine(tiny_ckpt, async_scheduling: bool, num_kv_blocks: int | None, max_nu
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=48,
         num_kv_blocks=num_kv_blocks,
-        async_scheduling=async_scheduling,
+        plan_overrides={"async_scheduling": async_scheduling},
     )
     engine = Engine.from_pretrained(tiny_ckpt, config)
     _force_eos(engine)

@@ -35,7 +35,7 @@ def codec_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def codec(codec_dir):
-    return Codec.load(codec_dir, CPU, torch.float32, 1 << 20)
+    return Codec.load(codec_dir, CPU, 1 << 20)
 
 
 def window(

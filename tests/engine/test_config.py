@@ -160,10 +160,15 @@ def test_engine_config_good_dtype(dtype):
         {"num_kv_blocks": 1},
         {"kv_cache_memory_fraction": 0.0},
         {"kv_cache_memory_fraction": 1.0},
-        {"codec_graph_max_batch": -1},
-        {"kv_cache_layout": "nchw"},
-        {"fused_decode_attention": True, "fused_kernels": False},
-        {"fused_decode_attention": True, "attention_backend": "torch"},
+        {"plan_overrides": {"codec_graph_max_batch": -1}},
+        {"plan_overrides": {"fused_decode": True, "fused_ops": False}, "device": "cuda"},
+        {"plan_overrides": {"fused_decode": True, "attention_backend": "torch"}},
+        {"plan_overrides": {"fused_decode": True}},  # the CPU has no fused ops
+        {"plan_overrides": {"kv_cache_layout": "hnd"}},  # no such plan field
+        {"plan_overrides": {"cuda_graphs": False}},  # follows enforce_eager
+        {"plan_overrides": {"fused_ops": "yes"}},
+        {"plan_overrides": {"graph_buckets": (8, 4)}},
+        {"plan_overrides": ["pdl"]},
     ],
 )
 def test_engine_config_other_invalid(kwargs):
@@ -171,23 +176,36 @@ def test_engine_config_other_invalid(kwargs):
         EngineConfig(**kwargs)
 
 
-def test_fused_decode_attention_goes_with_the_triton_backend():
-    assert EngineConfig(fused_decode_attention=True).fused_decode_attention  # auto backend
-    # the default (None) applies where it can and is no error where it cannot
-    assert EngineConfig().fused_decode_attention is None
-    EngineConfig(fused_kernels=False)
-    EngineConfig(device="cuda", attention_backend="varlen")
+def test_fused_decode_goes_with_the_triton_backend():
+    cuda = EngineConfig(device="cuda", plan_overrides={"fused_decode": True})  # auto backend
+    assert cuda.plan_overrides["fused_decode"]
+    # left out, it applies where it can and is no error where it cannot
+    assert "fused_decode" not in EngineConfig().plan_overrides
+    EngineConfig(device="cuda", plan_overrides={"fused_ops": False})
+    EngineConfig(device="cuda", plan_overrides={"attention_backend": "varlen"})
     with pytest.raises(ConfigError, match="Triton attention backend"):
-        EngineConfig(device="cuda", attention_backend="varlen", fused_decode_attention=True)
+        EngineConfig(
+            device="cuda", plan_overrides={"attention_backend": "varlen", "fused_decode": True}
+        )
 
 
 @pytest.mark.parametrize("backend", ["varlen", "flash"])
 def test_flash_attention_backends_need_cuda(backend):
     with pytest.raises(ConfigError, match="needs CUDA"):
-        EngineConfig(attention_backend=backend)
-    assert EngineConfig(device="cuda", attention_backend=backend).attention_backend == backend
-    with pytest.raises(ConfigError, match="auto/torch/triton/varlen/flash"):
-        EngineConfig(attention_backend="flash3")
+        EngineConfig(plan_overrides={"attention_backend": backend})
+    cfg = EngineConfig(device="cuda", plan_overrides={"attention_backend": backend})
+    assert cfg.plan_overrides["attention_backend"] == backend
+    with pytest.raises(ConfigError, match="torch.*triton.*varlen.*flash"):
+        EngineConfig(plan_overrides={"attention_backend": "flash3"})
+
+
+def test_plan_overrides_are_copied_and_named():
+    overrides = {"async_scheduling": False}
+    cfg = EngineConfig(plan_overrides=overrides)
+    overrides["async_scheduling"] = True  # the config keeps what it was given
+    assert cfg.plan_overrides == {"async_scheduling": False}
+    with pytest.raises(ConfigError, match="known: .*few_row_gemm_rows"):
+        EngineConfig(plan_overrides={"skinny_gemm_rows": 8})
 
 
 # -- ModelConfig.from_checkpoint_config -----------------------------------------------------
@@ -387,27 +405,31 @@ def test_voice_reference_codes_out_of_range(bad):
         VoiceReference(((3,) * 8, (3,) * 8, tuple(row)))
 
 
+def _cuda(**overrides) -> EngineConfig:
+    return EngineConfig(device="cuda", plan_overrides=overrides)
+
+
 def test_pdl_setting_is_validated():
     with pytest.raises(ConfigError, match="pdl"):
-        EngineConfig(pdl=True)  # the CPU has no dependent launch
+        EngineConfig(plan_overrides={"pdl": True})  # the CPU has no dependent launch
     with pytest.raises(ConfigError, match="pdl"):
-        EngineConfig(device="cuda", pdl=True, fused_kernels=False)
-    assert EngineConfig(device="cuda", pdl=True).pdl is True
+        _cuda(pdl=True, fused_ops=False)
+    assert _cuda(pdl=True).plan_overrides["pdl"] is True
 
 
-def test_skinny_gemm_rows_is_validated():
-    assert EngineConfig(device="cuda", skinny_gemm_rows=64).skinny_gemm_rows == 64
+def test_few_row_gemm_rows_is_validated():
+    assert _cuda(few_row_gemm_rows=64).plan_overrides["few_row_gemm_rows"] == 64
     with pytest.raises(ConfigError, match="0..64"):
-        EngineConfig(device="cuda", skinny_gemm_rows=65)
+        _cuda(few_row_gemm_rows=65)
     with pytest.raises(ConfigError, match="CUDA"):
-        EngineConfig(skinny_gemm_rows=8)  # the CPU
-    with pytest.raises(ConfigError, match="fused_kernels"):
-        EngineConfig(device="cuda", skinny_gemm_rows=8, fused_kernels=False)
+        EngineConfig(plan_overrides={"few_row_gemm_rows": 8})  # the CPU
+    with pytest.raises(ConfigError, match="fused_ops"):
+        _cuda(few_row_gemm_rows=8, fused_ops=False)
     with pytest.raises(ConfigError, match="CUDA"):
-        EngineConfig(skinny_gemm_tma=True)  # the CPU
-    with pytest.raises(ConfigError, match="skinny_gemm_rows > 0"):
-        EngineConfig(device="cuda", skinny_gemm_rows=0, skinny_gemm_tma=True)
-    assert EngineConfig(device="cuda", skinny_gemm_rows=0).skinny_gemm_tma is None
+        EngineConfig(plan_overrides={"few_row_gemm_tma": True})  # the CPU
+    with pytest.raises(ConfigError, match="few_row_gemm_rows > 0"):
+        _cuda(few_row_gemm_rows=0, few_row_gemm_tma=True)
+    assert "few_row_gemm_tma" not in _cuda(few_row_gemm_rows=0).plan_overrides
 
 
 def test_kv_cache_dtype_is_validated():
@@ -415,4 +437,6 @@ def test_kv_cache_dtype_is_validated():
     with pytest.raises(ConfigError, match="auto or fp8"):
         EngineConfig(kv_cache_dtype="fp16")
     with pytest.raises(ConfigError, match="triton"):
-        EngineConfig(device="cuda", attention_backend="varlen", kv_cache_dtype="fp8")
+        EngineConfig(
+            device="cuda", plan_overrides={"attention_backend": "varlen"}, kv_cache_dtype="fp8"
+        )

@@ -84,7 +84,7 @@ def _mini_engine(tmp_path):
         max_num_batched_tokens=256,
         num_kv_blocks=2048,
         max_model_len=2048,
-        cuda_graphs=False,
+        enforce_eager=True,
     )
     return Engine.from_pretrained(ckpt, cfg)
 
@@ -116,8 +116,7 @@ def test_capture_bound_red_green_with_our_kernel(tmp_path, bound, should_match):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("layout", ["nhd", "hnd"])  # KV cache memory order
-def test_every_replay_equals_its_eager_twin_and_rows_match_eager_engine(tiny_ckpt, layout):
+def test_every_replay_equals_its_eager_twin_and_rows_match_eager_engine(tiny_ckpt):
     base = dict(
         device="cuda",
         dtype="float32",
@@ -125,9 +124,8 @@ def test_every_replay_equals_its_eager_twin_and_rows_match_eager_engine(tiny_ckp
         max_num_batched_tokens=128,
         num_kv_blocks=1024,
         max_model_len=2048,
-        kv_cache_layout=layout,
     )
-    graphed = Engine.from_pretrained(tiny_ckpt, EngineConfig(cuda_graphs=True, **base))
+    graphed = Engine.from_pretrained(tiny_ckpt, EngineConfig(**base))
     runner = graphed.runner
     checked = {"decode": 0, "mixed": 0}
     original = runner.graphs.lookup
@@ -196,7 +194,7 @@ def test_graphed_engine_samples_the_same_rows_and_audio_as_eager(tmp_path):
     ]
     results = {}
     for graphs in (True, False):
-        config = EngineConfig(cuda_graphs=graphs, **base)
+        config = EngineConfig(enforce_eager=not graphs, **base)
         engine = Engine.from_pretrained(None, config, cache_dir=tmp_path)  # it has a codec
         replays = []
         if graphs:
@@ -219,26 +217,9 @@ def test_graphed_engine_samples_the_same_rows_and_audio_as_eager(tmp_path):
 
 
 @pytest.mark.cuda
-def test_high_priority_backbone_stream_gives_the_same_rows(tiny_ckpt):
-    """The backbone on its own high-priority stream (`backbone_stream_priority`): graphs,
-    sampler and codec ordering unchanged, so the seeded rows equal the default stream's."""
-    base = dict(device="cuda", dtype="float32", max_num_seqs=8, num_kv_blocks=512)
-    texts = [f"stream priority {i}" for i in range(6)]
-    params = [SamplingParams(seed=90 + i, max_rows=20 + 2 * i) for i in range(6)]
-    rows = {}
-    for priority in (None, -5):
-        engine = Engine.from_pretrained(
-            tiny_ckpt, EngineConfig(backbone_stream_priority=priority, **base)
-        )
-        assert (engine._stream is None) == (priority is None)
-        rows[priority] = [r.rows for r in engine.generate(texts, params=params)]
-    assert rows[-5] == rows[None]
-
-
-@pytest.mark.cuda
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_fused_decode_attention_gives_the_same_rows(tiny_ckpt, dtype, monkeypatch):
-    """`fused_decode_attention`: decode steps run q/k-norm + RoPE, the K/V store and
+    """The plan's `fused_decode`: decode steps run q/k-norm + RoPE, the K/V store and
     attention as one launch (here for every decode batch: no context split), in the
     captured graphs and eagerly; the seeded rows equal the two-launch path's."""
     from engine.attention import TritonAttention
@@ -253,7 +234,8 @@ def test_fused_decode_attention_gives_the_same_rows(tiny_ckpt, dtype, monkeypatc
     rows = {}
     for fused in (False, True):
         for graphs in (False, True):
-            config = dict(fused_decode_attention=fused, cuda_graphs=graphs, **base)
+            overrides = {"fused_decode": fused}
+            config = dict(plan_overrides=overrides, enforce_eager=not graphs, **base)
             rows[fused, graphs] = _seeded_rows(tiny_ckpt, "fused decode", 70, 24, config)
             assert bool(calls) == fused
     assert rows[True, True] == rows[False, True] and rows[True, False] == rows[False, False]
@@ -271,9 +253,9 @@ def test_pdl_gives_the_same_rows(tiny_ckpt, dtype):
     rows = {}
     for pdl in (None, False):
         for graphs in (True, False):
-            engine = Engine.from_pretrained(
-                tiny_ckpt, EngineConfig(pdl=pdl, cuda_graphs=graphs, **base)
-            )
+            overrides = {} if pdl is None else {"pdl": pdl}  # None: where it applies
+            config = EngineConfig(plan_overrides=overrides, enforce_eager=not graphs, **base)
+            engine = Engine.from_pretrained(tiny_ckpt, config)
             assert engine.model.pdl is (pdl is None)
             rows[pdl, graphs] = [r.rows for r in engine.generate(texts, params=params)]
     assert rows[None, True] == rows[False, True] and rows[None, False] == rows[False, False]
@@ -285,21 +267,24 @@ def test_pdl_gives_the_same_rows(tiny_ckpt, dtype):
     [
         ("float32", {}),
         ("bfloat16", {}),
-        ("bfloat16", {"skinny_gemm_tma": False}),
+        ("bfloat16", {"few_row_gemm_tma": False}),
     ],
 )
 def test_skinny_gemm_graphs_equal_eager(tiny_ckpt, dtype, loads):
-    """`skinny_gemm_rows` (auto: 16 on a GPU with fused kernels): projections of few-row steps
-    through our split-K GEMM. Its partials are added in a fixed order, so the graphed engine
-    samples the eager engine's rows; with it off (cuBLAS) the ops carry no counters. (Its
-    numbers against F.linear: tests/kernels/test_skinny_gemm.py and the CPU model test.)"""
+    """The plan's `few_row_gemm_rows` (auto: 16 on a GPU with fused kernels): projections of
+    few-row steps through our split-K GEMM. Its partials are added in a fixed order, so the
+    graphed engine samples the eager engine's rows; with it off (cuBLAS) the ops carry no
+    counters. (Its numbers against F.linear: tests/kernels/test_skinny_gemm.py and the CPU
+    model test.)"""
     texts = [f"few-row gemm {i}" for i in range(6)]
     params = [SamplingParams(seed=60 + i, max_rows=22 + 3 * i) for i in range(6)]
     base = dict(device="cuda", dtype=dtype, max_num_seqs=8, num_kv_blocks=512)
-    base.update(loads)  # per-thread loads instead of the TMA tiles
     rows = {}
     for skinny, graphs in [(None, True), (None, False), (0, True)]:
-        config = EngineConfig(skinny_gemm_rows=skinny, cuda_graphs=graphs, **base)
+        overrides = dict(loads)  # per-thread loads instead of the TMA tiles
+        if skinny is not None:
+            overrides["few_row_gemm_rows"] = skinny
+        config = EngineConfig(plan_overrides=overrides, enforce_eager=not graphs, **base)
         engine = Engine.from_pretrained(tiny_ckpt, config)
         ops = engine.model.ops
         assert (getattr(ops, "max_rows", 0), hasattr(ops, "counters")) == (
@@ -310,21 +295,22 @@ def test_skinny_gemm_graphs_equal_eager(tiny_ckpt, dtype, loads):
             assert not ops.counters.any()  # every launch left them zero
             # auto: TMA tiles on a GPU of compute capability 9.0+ (the tiny shapes are aligned)
             tma = torch.cuda.get_device_capability() >= (9, 0)
-            assert ops.loads["tma"] is loads.get("skinny_gemm_tma", tma)
+            assert ops.loads["tma"] is loads.get("few_row_gemm_tma", tma)
     assert rows[None, True] == rows[None, False]
     assert all(len(r) > 0 for r in rows[None, True])
 
 
 @pytest.mark.cuda
 def test_attention_prefetch_pages_gives_the_same_rows(tiny_ckpt):
-    """`attention_prefetch_pages`: the one-pass kernel reads page ids a tile ahead; the same
+    """The plan's `page_prefetch`: the one-pass kernel reads page ids a tile ahead; the same
     arithmetic in the same order, so the seeded rows equal those without it, graphed and
     eager."""
     base = dict(device="cuda", dtype="bfloat16", max_num_seqs=8, num_kv_blocks=512)
     rows = {}
     for prefetch in (False, True):
         for graphs in (True, False):
-            config = dict(attention_prefetch_pages=prefetch, cuda_graphs=graphs, **base)
+            overrides = {"page_prefetch": prefetch}
+            config = dict(plan_overrides=overrides, enforce_eager=not graphs, **base)
             rows[prefetch, graphs] = _seeded_rows(tiny_ckpt, "prefetched pages", 70, 30, config)
     assert rows[True, True] == rows[False, True] and rows[True, False] == rows[False, False]
 
@@ -340,7 +326,7 @@ def test_fp8_kv_cache_graphs_equal_eager_and_double_the_blocks(tiny_ckpt):
     params = [SamplingParams(seed=50 + i, max_rows=24 + 3 * i) for i in range(6)]
     rows = {}
     for graphs in (True, False):
-        config = EngineConfig(kv_cache_dtype="fp8", cuda_graphs=graphs, **base)
+        config = EngineConfig(kv_cache_dtype="fp8", enforce_eager=not graphs, **base)
         engine = Engine.from_pretrained(tiny_ckpt, config)
         assert all(c.dtype == torch.float8_e4m3fn for c in engine.runner.kv_caches)
         rows[graphs] = [r.rows for r in engine.generate(texts, params=params)]

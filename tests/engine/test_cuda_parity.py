@@ -61,7 +61,7 @@ def _factory(ckpt, num_kv_blocks, **fixed):
             max_num_seqs=16,
             num_kv_blocks=num_kv_blocks,
             max_model_len=4096,
-            cuda_graphs=False,
+            enforce_eager=True,
             **fixed,
             **kw,
         )

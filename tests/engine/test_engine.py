@@ -152,41 +152,11 @@ def test_voice_reference_type_checked():
         VoiceReference(((1, 2, 3),), "bad width")
 
 
-@pytest.mark.parametrize("backend, n", [("torch", 6), ("triton", 2)])
-def test_head_major_kv_cache_gives_the_same_rows(tiny_ckpt, backend, n):
-    """kv_cache_layout='hnd' (one head's page contiguous in memory) changes where K/V live,
-    not what the model computes: a mixed batch samples the same rows as with 'nhd', through
-    the torch reference and through the Triton store and attention kernels (interpreted)."""
-    reqs = _mixed_batch(n)
-    rows = {}
-    for layout in ("nhd", "hnd"):
-        engine = Engine.from_pretrained(
-            tiny_ckpt,
-            EngineConfig(
-                block_size=4,
-                max_num_seqs=6,
-                max_num_batched_tokens=32,
-                kv_cache_layout=layout,
-                attention_backend=backend,
-            ),
-        )
-        cache = engine.runner.kv_caches[0]
-        assert cache.shape[2] == 4 and (cache.stride(2) > cache.stride(3)) == (layout == "nhd")
-        results = engine.generate(
-            [r[1] for r in reqs], references=[r[2] for r in reqs], params=[r[3] for r in reqs]
-        )
-        rows[layout] = [r.rows for r in results]
-    assert rows["hnd"] == rows["nhd"]
-
-
-@pytest.mark.parametrize("layout", ["nhd", "hnd"])
-def test_a_float8_kv_cache_serves_requests_end_to_end(tiny_ckpt, layout):
+def test_a_float8_kv_cache_serves_requests_end_to_end(tiny_ckpt):
     """`kv_cache_dtype="fp8"` on the CPU (torch reference attention): float8 caches, the
     activations stay in the model's dtype, and every request runs to its row cap; the
     Triton kernels' float8 path runs in the CUDA tests."""
-    config = EngineConfig(
-        block_size=4, max_num_seqs=4, kv_cache_dtype="fp8", kv_cache_layout=layout
-    )
+    config = EngineConfig(block_size=4, max_num_seqs=4, kv_cache_dtype="fp8")
     engine = Engine.from_pretrained(tiny_ckpt, config)
     assert all(c.dtype == torch.float8_e4m3fn for c in engine.runner.kv_caches)
     params = [SamplingParams(seed=i, max_rows=12 + i) for i in range(3)]
@@ -196,8 +166,8 @@ def test_a_float8_kv_cache_serves_requests_end_to_end(tiny_ckpt, layout):
 
 
 def test_pdl_resolves_off_without_a_hopper_gpu_and_refuses_to_be_forced():
-    from engine.auto_settings import resolve_pdl
     from engine.config import ConfigError
+    from engine.plan import resolve_pdl
 
     cpu = torch.device("cpu")
     assert resolve_pdl(None, False, cpu) is False and resolve_pdl(False, True, cpu) is False
@@ -206,12 +176,10 @@ def test_pdl_resolves_off_without_a_hopper_gpu_and_refuses_to_be_forced():
 
 
 def test_skinny_tma_resolves_off_where_it_cannot_apply_and_refuses_to_be_forced():
-    """`skinny_gemm_tma`: None -> off without a Hopper GPU (here the CPU) or with projection
+    """`few_row_gemm_tma`: None -> off without a Hopper GPU (here the CPU) or with projection
     rows that are not whole 16-byte units; True there is a configuration error."""
-    from engine.attention import make_backend
-    from engine.auto_settings import resolve_skinny_tma
     from engine.config import ConfigError, ModelConfig
-    from engine.model import HiggsModel
+    from engine.plan import resolve_tma
     from kernels.skinny_gemm import tma_supported
 
     cfg = ModelConfig(
@@ -219,12 +187,11 @@ def test_skinny_tma_resolves_off_where_it_cannot_apply_and_refuses_to_be_forced(
         intermediate_size=128, vocab_size=100, rms_norm_eps=1e-6, rope_theta=1e6,
         max_position_embeddings=64,
     )  # fmt: skip
-    model = HiggsModel(cfg, make_backend("torch"))
     cpu = torch.device("cpu")
-    assert resolve_skinny_tma(None, model, cpu) is False
-    assert resolve_skinny_tma(False, model, cpu) is False
+    assert resolve_tma(None, cfg, 4, cpu) is False
+    assert resolve_tma(False, cfg, 4, cpu) is False
     with pytest.raises(ConfigError, match="compute capability 9.0"):
-        resolve_skinny_tma(True, model, cpu)
+        resolve_tma(True, cfg, 4, cpu)
     assert not tma_supported(cpu, 4, 64)
     if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9:
         assert tma_supported("cuda", 2, 2560, 4096) and not tma_supported("cuda", 2, 2562)

@@ -2,8 +2,8 @@
 add+RMSNorm, SiLU-mul) against the plain torch ops, on the CPU under the Triton interpreter:
 a mixed batch (a prefill over two blocks, a short prefill, padding rows pointing into the
 reserved block 0) then a decode step, torch and Triton attention backends, and the decode
-step as one fused launch (`fused_decode_attention`), and the projections through the few-row
-GEMM (`skinny_gemm_rows`). On a GPU the same paths are covered by the CUDA parity and graph
+step as one fused launch (the plan's `fused_decode`), and the projections through the few-row
+GEMM (`few_row_gemm_rows`). On a GPU the same paths are covered by the CUDA parity and graph
 tests."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import torch
 from engine.attention import AttentionMetadata, attention_context, make_backend
 from engine.config import ModelConfig
 from engine.model import HiggsModel
+from engine.plan import ExecutionPlan
 
 CFG = ModelConfig(
     hidden_size=64,
@@ -33,7 +34,6 @@ PAGE, BLOCKS = 4, 8
 def _run(
     fused: bool,
     backend: str,
-    layout: str = "nhd",
     fuse_decode: bool = False,
     kv_dtype=None,
     skinny_rows: int = 0,
@@ -41,19 +41,21 @@ def _run(
     prefetch: bool = False,
 ):
     torch.manual_seed(0)
-    attention = make_backend(backend)
-    attention.prefetch_pages = prefetch  # the one-pass kernel reads page ids a tile ahead
+    plan = ExecutionPlan(
+        attention_backend=backend,
+        fused_ops=fused,
+        fused_decode=fuse_decode,
+        page_prefetch=prefetch,  # the one-pass kernel reads page ids a tile ahead
+        few_row_gemm_rows=skinny_rows,
+        few_row_gemm_tma=(skinny_loads or {}).get("tma", False),
+    )
+    attention = make_backend(plan)
     if fuse_decode:  # one launch for decode steps, even for these few sequences (no split)
-        attention.fuse_decode, attention.split_target = True, 1
-    model = HiggsModel(CFG, attention, fused)
+        attention.split_target = 1
+    model = HiggsModel(CFG, attention, plan)
     for p in model.parameters():
         torch.nn.init.normal_(p, std=0.2)
-    if skinny_rows:
-        model.use_skinny_gemm(skinny_rows, **(skinny_loads or {}))
     caches = [torch.zeros(2, BLOCKS, PAGE, 2, 16, dtype=kv_dtype) for _ in range(CFG.num_layers)]
-    if layout == "hnd":  # head-major memory, the usual shape
-        hnd = (2, BLOCKS, 2, PAGE, 16)
-        caches = [torch.zeros(hnd, dtype=kv_dtype).permute(0, 1, 3, 2, 4) for _ in caches]
     # sequence 0: 5 prefill tokens (blocks 1, 2); sequence 1: 2 tokens (block 3); two padding
     # rows with slots in block 0
     meta = AttentionMetadata(
@@ -91,7 +93,6 @@ def _run(
 # Rows of no sequence (padding) get no attention output (left uninitialised, as on the GPU)
 # and may overflow downstream under the interpreter; they are never read.
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
-@pytest.mark.parametrize("layout", ["nhd", "hnd"])
 @pytest.mark.parametrize(
     "backend, fuse_decode, prefetch",
     [
@@ -101,7 +102,7 @@ def _run(
         ("triton", True, True),
     ],
 )
-def test_fused_ops_equal_torch_ops(backend, layout, fuse_decode, prefetch, monkeypatch):
+def test_fused_ops_equal_torch_ops(backend, fuse_decode, prefetch, monkeypatch):
     from engine.attention import TritonAttention
 
     ref_hidden, ref_caches = _run(False, "torch")
@@ -110,7 +111,7 @@ def test_fused_ops_equal_torch_ops(backend, layout, fuse_decode, prefetch, monke
     monkeypatch.setattr(
         TritonAttention, "decode_fused", lambda self, *a: calls.append(1) or original(self, *a)
     )
-    hidden, caches = _run(True, backend, layout, fuse_decode, prefetch=prefetch)
+    hidden, caches = _run(True, backend, fuse_decode, prefetch=prefetch)
     assert len(calls) == (CFG.num_layers if fuse_decode else 0)  # the decode step, every layer
     torch.testing.assert_close(hidden, ref_hidden, rtol=1e-5, atol=1e-5)
     for cache, ref in zip(caches, ref_caches, strict=True):
@@ -129,7 +130,7 @@ def test_fused_ops_equal_torch_ops(backend, layout, fuse_decode, prefetch, monke
     ],
 )
 def test_skinny_gemm_projections_equal_torch_ops(skinny_rows, launches, loads, monkeypatch):
-    """`skinny_gemm_rows`: the four projections of each layer through kernels/skinny_gemm.py
+    """`few_row_gemm_rows`: the four projections of each layer through kernels/skinny_gemm.py
     (the down projection with the MLP's activation folded in) for steps of up to that many
     tokens (here the 9-token prefill and the 3-token decode step, or only the decode step),
     the same hidden states and caches as the torch ops."""
@@ -149,19 +150,18 @@ def test_skinny_gemm_projections_equal_torch_ops(skinny_rows, launches, loads, m
 
 
 def test_skinny_gemm_needs_the_fused_ops():
-    model = HiggsModel(CFG, make_backend("torch"), fused=False)
+    plan = ExecutionPlan(few_row_gemm_rows=8)  # without fused ops
     with pytest.raises(ValueError, match="fused"):
-        model.use_skinny_gemm(8)
+        HiggsModel(CFG, make_backend(plan), plan)
 
 
-@pytest.mark.parametrize("layout", ["nhd", "hnd"])
-def test_a_float8_cache_is_lossy_but_close(layout):
+def test_a_float8_cache_is_lossy_but_close():
     """`kv_cache_dtype="fp8"` through the torch reference backend (the Triton kernels' float8
     path runs on the GPU: the CPU interpreter rounds some float8 conversions wrongly): the
     cache holds float8 values and the hidden states stay within a few percent of an exact
     cache's."""
-    ref_hidden, _ = _run(False, "torch", layout)
-    hidden, caches = _run(False, "torch", layout, kv_dtype=torch.float8_e4m3fn)
+    ref_hidden, _ = _run(False, "torch")
+    hidden, caches = _run(False, "torch", kv_dtype=torch.float8_e4m3fn)
     assert all(c.dtype == torch.float8_e4m3fn for c in caches)
     assert caches[0][:, 1:].float().abs().sum() > 0
     err = float((hidden - ref_hidden).norm() / ref_hidden.norm())

@@ -13,13 +13,14 @@ from engine import ConfigError, Engine, EngineConfig, SamplingParams
 from engine.attention import TorchAttention
 from engine.checkpoint_writer import TINY_TEXT_CONFIG, default_model_dir, write_checkpoint
 from engine.loader import AUDIO_TABLE_KEY, CODEC_PREFIX, load_model
+from engine.plan import ExecutionPlan
 from engine.tokenizer import HiggsTokenizer
 
 CPU = torch.device("cpu")
 
 
 def _load(path):
-    return load_model(path, TorchAttention(), CPU, torch.float32)
+    return load_model(path, TorchAttention(), CPU, torch.float32, ExecutionPlan())
 
 
 def test_layout_has_399_lm_tensors_for_36_layers():

@@ -72,7 +72,10 @@ def test_prefill_split_over_steps(tiny_ckpt, reference):
 def test_mixed_prefill_and_decode_batch(tiny_ckpt, reference, backend):
     _skip_unless_interpreted(backend)
     cfg = EngineConfig(
-        block_size=4, max_num_seqs=8, max_num_batched_tokens=24, attention_backend=backend
+        block_size=4,
+        max_num_seqs=8,
+        max_num_batched_tokens=24,
+        plan_overrides={"attention_backend": backend},
     )
     engine = Engine.from_pretrained(tiny_ckpt, cfg)
     rec = HiddenRecorder(engine)
@@ -105,7 +108,7 @@ def test_mixed_prefill_and_decode_batch(tiny_ckpt, reference, backend):
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_prefix_cache_hit(tiny_ckpt, reference, backend):
     _skip_unless_interpreted(backend)
-    cfg = EngineConfig(block_size=4, max_num_seqs=4, attention_backend=backend)
+    cfg = EngineConfig(block_size=4, max_num_seqs=4, plan_overrides={"attention_backend": backend})
     engine = Engine.from_pretrained(tiny_ckpt, cfg)
     rec = HiddenRecorder(engine)
     voice = make_reference(9, 30, "the same transcript")

@@ -41,7 +41,7 @@ def write_test_codec(directory: Path, seed: int = 1) -> Path:
 @pytest.fixture(scope="module")
 def codec(tmp_path_factory):
     path = write_test_codec(tmp_path_factory.mktemp("tiny-codec"))
-    return Codec.load(path, CPU, torch.float32, 1 << 20)
+    return Codec.load(path, CPU, 1 << 20)
 
 
 # -- synthetic rows ----------------------------------------------------------------------------

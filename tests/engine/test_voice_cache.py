@@ -334,7 +334,7 @@ def model_dir(tmp_path_factory):
 def codec(model_dir):
     from engine.codec.codec import Codec
 
-    return Codec.load(model_dir, torch.device("cpu"), torch.float32, 1 << 20)
+    return Codec.load(model_dir, torch.device("cpu"), 1 << 20)
 
 
 def voiced(sr: int, seconds: float, f0: float) -> np.ndarray:

@@ -61,13 +61,13 @@ def test_benchmark_config_overrides_parse_and_refuse_bad_items():
     """`--set FIELD=VALUE` of the benchmarks: typed values, and a clear exit otherwise."""
     from benchmarks.overrides import overrides
 
-    assert overrides(["sampler_noise_kernel=true", "backbone_stream_priority=-5"]) == {
-        "sampler_noise_kernel": True,
-        "backbone_stream_priority": -5,
+    assert overrides(["noise_kernel=true", "few_row_gemm_rows=-5"]) == {
+        "noise_kernel": True,
+        "few_row_gemm_rows": -5,
     }
-    assert overrides(["kv_cache_layout=hnd", "kv_cache_memory_fraction=0.5"]) == {
-        "kv_cache_layout": "hnd",
+    assert overrides(["attention_backend=torch", "kv_cache_memory_fraction=0.5"]) == {
+        "attention_backend": "torch",
         "kv_cache_memory_fraction": 0.5,
     }
     with pytest.raises(SystemExit, match="FIELD=VALUE"):
-        overrides(["kv_cache_layout"])
+        overrides(["attention_backend"])

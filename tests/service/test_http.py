@@ -53,6 +53,14 @@ def test_ready_reports_the_untrained_model(server):
     assert "random weights" in body["model"]["notice"]
 
 
+def test_ready_shows_the_execution_plan(server):
+    """How the engine runs on its device, resolved at start: on the CPU the torch path."""
+    plan = httpx.get(server.http + "/ready", timeout=30).json()["plan"]
+    assert plan["attention_backend"] == "torch" and plan["fused_ops"] is False
+    assert plan["cuda_graphs"] is False and plan["codec_graph_max_batch"] == 0
+    assert plan["graph_buckets"][0] == 1 and plan["async_scheduling"] is True
+
+
 GAUGES = [
     "clonecast_num_requests_running",
     "clonecast_num_requests_waiting",

@@ -40,7 +40,8 @@ def test_attention_backend_is_passed_to_the_engine(monkeypatch):
     monkeypatch.delenv("CLONECAST_ATTENTION_BACKEND", raising=False)
     assert ServiceSettings.from_env().attention_backend == "auto"
     monkeypatch.setenv("CLONECAST_ATTENTION_BACKEND", "torch")
-    assert _engine_config(ServiceSettings.from_env(device="cpu")).attention_backend == "torch"
+    config = _engine_config(ServiceSettings.from_env(device="cpu"))
+    assert config.plan_overrides["attention_backend"] == "torch"
     monkeypatch.setenv("CLONECAST_ATTENTION_BACKEND", "flash")
     settings = ServiceSettings.from_env(device="cpu")
     assert settings.attention_backend == "flash"

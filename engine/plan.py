@@ -1,0 +1,211 @@
+"""The execution plan: how the engine runs on its device (attention backend, fused kernels,
+launch modes, the few-row GEMM, CUDA graphs, the codec's numerics and layout), resolved once
+from the configuration and the device and handed to the model, the attention backend, the
+runner and the codec in their constructors. `EngineConfig` says what to serve; the plan says
+how. Every field gives the same results within rounding; the measured reasons for each
+default are in docs/PERFORMANCE.md.
+
+`EngineConfig.plan_overrides` may set any field but the graph switches (which follow
+`enforce_eager`): absent means "wherever it applies", a feature forced on where it cannot
+apply is a ConfigError at start-up rather than a slower path taken silently. The module
+imports no torch at its top (the config validates overrides through it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+
+from engine.config import ConfigError
+
+BACKENDS = ("torch", "triton", "varlen", "flash")
+DTYPES = ("float32", "bfloat16", "float16")
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # token counts of backbone graphs
+DEFAULT_FEW_ROW_GEMM_ROWS = 16  # at 64 rows cuBLAS is faster on the H200
+DEFAULT_CODEC_GRAPH_BATCH = 64  # a step rarely completes more windows
+FOLLOW_EAGER = ("cuda_graphs", "sampler_graphs")  # set by enforce_eager, never overridden
+
+
+@dataclass(frozen=True)
+class ExecutionPlan:
+    """The defaults are the plain torch path (what the CPU runs)."""
+
+    # torch: the reference; triton: our paged kernels; varlen / flash: FlashAttention (CUDA,
+    # eager: no graphs)
+    attention_backend: str = "torch"
+    fused_ops: bool = False  # Triton norm / RoPE / SiLU in the model and Snake in the codec
+    # decode-only steps of enough sequences: q/k-norm + RoPE, the K/V store and attention in
+    # one launch per layer (needs fused ops and the Triton backend)
+    fused_decode: bool = False
+    page_prefetch: bool = False  # Triton attention reads page ids a tile ahead (pipelined)
+    pdl: bool = False  # programmatic dependent launch of the forward's Triton kernels
+    few_row_gemm_rows: int = 0  # projections of steps up to this many tokens: our GEMM
+    few_row_gemm_tma: bool = False  # ... fetching tiles with TMA tensor descriptors
+    cuda_graphs: bool = False  # FULL backbone graphs over `graph_buckets` (Triton backend)
+    graph_buckets: tuple[int, ...] = DEFAULT_BUCKETS
+    sampler_graphs: bool = False  # one graph per sampler row bucket
+    async_scheduling: bool = True  # step N+1 is launched before step N's rows are read
+    noise_kernel: bool = False  # the sampler's noise in one Triton launch
+    codec_dtype: str = "float32"
+    codec_channels_last: bool = False  # codec activations in NHWC memory
+    codec_graph_max_batch: int = 0  # codec graphs per batch size up to this; 0: none
+
+    def describe(self) -> dict:
+        """JSON-ready, for the start-up log and `/ready`."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+
+
+_FIELDS = {f.name: f for f in fields(ExecutionPlan)}
+
+
+def check_overrides(overrides: Mapping[str, object], device: str) -> None:
+    """What can be refused from the configuration alone (names, types, and features that
+    need a GPU or another setting); the device's own capabilities are checked by `resolve`."""
+    unknown = sorted(set(overrides) - set(_FIELDS))
+    if unknown:
+        raise ConfigError(f"unknown plan override(s) {unknown}; known: {sorted(_FIELDS)}")
+    follows = sorted(set(overrides) & set(FOLLOW_EAGER))
+    if follows:
+        raise ConfigError(f"{follows} follow enforce_eager: set that instead")
+    for name, value in overrides.items():
+        _check_type(name, value)
+    o = overrides
+    cpu = device == "cpu"
+    backend = o.get("attention_backend")
+    fused = o.get("fused_ops", not cpu)
+    rows, tma = o.get("few_row_gemm_rows"), o.get("few_row_gemm_tma")
+
+    refusals = (
+        (
+            backend in ("varlen", "flash") and cpu,
+            f"attention_backend {backend!r} (FlashAttention) needs CUDA",
+        ),
+        (o.get("fused_ops") is True and cpu, "fused_ops needs a CUDA device"),
+        (
+            o.get("fused_decode") is True
+            and (not fused or backend in ("torch", "varlen", "flash")),
+            "fused_decode needs fused_ops and the Triton attention backend",
+        ),
+        (
+            o.get("page_prefetch") is True and backend in ("torch", "varlen", "flash"),
+            "page_prefetch is a setting of the Triton attention backend",
+        ),
+        (
+            o.get("pdl") is True and (cpu or not fused),
+            "pdl needs fused_ops on a CUDA device (compute capability 9+)",
+        ),
+        (
+            rows is not None and not 0 <= rows <= 64,
+            f"few_row_gemm_rows must be in 0..64, got {rows}",
+        ),
+        (bool(rows) and (cpu or not fused), "few_row_gemm_rows needs fused_ops on a CUDA device"),
+        (tma is True and (cpu or not fused), "few_row_gemm_tma needs fused_ops on a CUDA device"),
+        (
+            tma is True and rows == 0,
+            "few_row_gemm_tma needs the few-row GEMM (few_row_gemm_rows > 0)",
+        ),
+        (o.get("noise_kernel") is True and cpu, "noise_kernel needs a CUDA device"),
+        (bool(o.get("codec_graph_max_batch")) and cpu, "codec graphs need a CUDA device"),
+    )
+    for refused, message in refusals:
+        if refused:
+            raise ConfigError(message)
+
+
+def _check_type(name: str, value: object) -> None:
+    kind = _FIELDS[name].type
+    ok = {
+        "bool": isinstance(value, bool),
+        "int": type(value) is int and value >= 0,
+        "str": isinstance(value, str),
+        "tuple[int, ...]": isinstance(value, (tuple, list))
+        and bool(value)
+        and all(type(b) is int and b > 0 for b in value)
+        and list(value) == sorted(set(value)),
+    }[kind]
+    if ok and name == "attention_backend":
+        ok = value in BACKENDS
+    if ok and name == "codec_dtype":
+        ok = value in DTYPES
+    if not ok:
+        choices = {"attention_backend": BACKENDS, "codec_dtype": DTYPES}.get(name)
+        want = f"one of {list(choices)}" if choices else f"a {kind}"
+        if kind == "int":
+            want = "an integer >= 0"
+        if kind == "tuple[int, ...]":
+            want = "increasing positive token counts"
+        raise ConfigError(f"plan override {name} must be {want}, got {value!r}")
+
+
+def resolve(config, model_config, device) -> ExecutionPlan:
+    """The plan for `config` (an EngineConfig) on `device` (a torch.device) for a model of
+    `model_config`'s shape; ConfigError where an override cannot apply on this device."""
+    o = dict(config.plan_overrides)
+    cuda = device.type == "cuda"
+    graphs = cuda and not config.enforce_eager
+    backend = o.get("attention_backend", "triton" if cuda else "torch")
+    fused = o.get("fused_ops", cuda)
+    triton = backend == "triton"
+    item = resolve_dtype(config.dtype, device).itemsize  # bytes of an activation
+    rows = o.get("few_row_gemm_rows", DEFAULT_FEW_ROW_GEMM_ROWS if fused else 0)
+    codec_batch = o.get(
+        "codec_graph_max_batch", min(config.max_num_seqs, DEFAULT_CODEC_GRAPH_BATCH)
+    )
+    if codec_batch and not graphs:
+        if "codec_graph_max_batch" in o:
+            raise ConfigError("codec_graph_max_batch needs CUDA graphs (not enforce_eager)")
+        codec_batch = 0
+    return ExecutionPlan(
+        attention_backend=backend,
+        fused_ops=fused,
+        fused_decode=o.get("fused_decode", fused and triton),
+        page_prefetch=o.get("page_prefetch", triton),
+        pdl=resolve_pdl(o.get("pdl"), fused, device),
+        few_row_gemm_rows=rows,
+        few_row_gemm_tma=resolve_tma(o.get("few_row_gemm_tma"), model_config, item, device)
+        if rows
+        else False,
+        cuda_graphs=graphs and triton,
+        graph_buckets=tuple(o.get("graph_buckets", DEFAULT_BUCKETS)),
+        sampler_graphs=graphs,
+        async_scheduling=o.get("async_scheduling", True),
+        noise_kernel=o.get("noise_kernel", cuda),
+        codec_dtype=o.get("codec_dtype", "float32"),
+        codec_channels_last=o.get("codec_channels_last", cuda),
+        codec_graph_max_batch=codec_batch,
+    )
+
+
+def resolve_dtype(name: str, device):
+    """EngineConfig.dtype: auto -> bfloat16 on a GPU, float32 on the CPU."""
+    import torch
+
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def resolve_pdl(setting: bool | None, fused: bool, device) -> bool:
+    """None -> wherever it applies; True -> required."""
+    from kernels.launch import pdl_supported
+
+    supported = fused and pdl_supported(device)
+    if setting is True and not supported:
+        raise ConfigError("pdl=True needs fused kernels on a GPU of compute capability 9.0+")
+    return supported if setting is None else setting
+
+
+def resolve_tma(setting: bool | None, model_config, item: int, device) -> bool:
+    """None -> wherever it applies; True -> required. TMA tiles need compute capability 9.0+
+    and every projection's input rows (of `item`-byte elements) 16-byte aligned."""
+    from kernels.skinny_gemm import tma_supported
+
+    cfg = model_config
+    inputs = (cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size)
+    supported = tma_supported(device, item, *inputs)
+    if setting is True and not supported:
+        raise ConfigError(
+            "few_row_gemm_tma=True needs a GPU of compute capability 9.0+ and projection "
+            f"inputs of 16-byte rows (got {inputs} x {item} bytes)"
+        )
+    return supported if setting is None else setting

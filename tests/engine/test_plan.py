@@ -1,0 +1,52 @@
+"""The execution plan resolved from a configuration on the CPU (the GPU's own resolution, PDL
+and TMA against the compute capability, runs in the CUDA tests), and handed to the parts
+that run it."""
+
+from __future__ import annotations
+
+import torch
+
+from engine import Engine, EngineConfig, ExecutionPlan
+from engine.attention import TorchAttention, TritonAttention
+from engine.loader import read_config
+from engine.plan import DEFAULT_BUCKETS, resolve
+
+CPU = torch.device("cpu")
+
+
+def test_the_cpu_plan_is_the_plain_torch_path(tiny_ckpt):
+    _, model_config = read_config(tiny_ckpt)
+    plan = resolve(EngineConfig(), model_config, CPU)
+    assert plan == ExecutionPlan()
+    assert plan.attention_backend == "torch" and not plan.fused_ops and not plan.cuda_graphs
+    assert plan.graph_buckets == DEFAULT_BUCKETS and plan.async_scheduling
+
+
+def test_overrides_reach_the_plan_and_the_plan_follows_the_backend(tiny_ckpt):
+    _, model_config = read_config(tiny_ckpt)
+    overrides = {
+        "attention_backend": "triton",
+        "async_scheduling": False,
+        "graph_buckets": (1, 8),
+        "codec_dtype": "bfloat16",
+    }
+    plan = resolve(EngineConfig(plan_overrides=overrides), model_config, CPU)
+    assert plan.attention_backend == "triton" and plan.page_prefetch  # a Triton setting
+    assert not plan.fused_decode  # no fused ops on the CPU
+    assert plan.async_scheduling is False and plan.graph_buckets == (1, 8)
+    assert plan.codec_dtype == "bfloat16"
+    assert not plan.cuda_graphs and not plan.sampler_graphs  # graphs need CUDA
+    described = plan.describe()
+    assert described["graph_buckets"] == [1, 8] and described["attention_backend"] == "triton"
+
+
+def test_the_engine_builds_its_parts_from_its_plan(tiny_ckpt):
+    overrides = {"attention_backend": "triton", "page_prefetch": False}
+    engine = Engine.from_pretrained(tiny_ckpt, EngineConfig(plan_overrides=overrides))
+    backend = engine.model.layers[0].self_attn.backend
+    assert isinstance(backend, TritonAttention) and backend.prefetch_pages is False
+    assert engine.plan.page_prefetch is False and engine.runner.plan is engine.plan
+    assert engine.runner.graphs is None and engine.runner.sampler_graphs is None
+    plain = Engine.from_pretrained(tiny_ckpt, EngineConfig())
+    assert isinstance(plain.model.layers[0].self_attn.backend, TorchAttention)
+    assert plain.plan == ExecutionPlan()
