@@ -1,5 +1,5 @@
 """Decode-step time of the engine on the Higgs v3 4B shape, next to the weight+KV byte floor
-of performance.md, for three paths in one run: the torch reference attention eagerly, the
+of docs/PERFORMANCE.md, for three paths in one run: the torch reference attention eagerly, the
 Triton kernel eagerly, and the Triton kernel under FULL CUDA graphs.
 
     python benchmarks/eager_step.py --ckpt DIR [--batches 1,32,64] [--context 400]

@@ -1,4 +1,4 @@
-"""The byte floor of one decode step on an H200 (performance.md): every weight read once plus
+"""The byte floor of one decode step on an H200 (docs/PERFORMANCE.md): every weight read once plus
 the batch's KV cache, at the measured device-to-device copy bandwidth."""
 
 WEIGHT_BYTES = 7.31e9  # read by one audio decode step

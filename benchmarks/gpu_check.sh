@@ -13,7 +13,7 @@
 #                SERVE_MAX: the server's max_num_seqs, else its default 64; PYSPY="D S": py-spy
 #                attached D s after the server is ready for S s, server and engine process,
 #                samples holding the interpreter lock, summarised by benchmarks/pyspy_top.py)
-#   PROTOCOL=1   the full served protocol of performance.md (C = 1..256, 3 fresh starts);
+#   PROTOCOL=1   the full served protocol of docs/PERFORMANCE.md (C = 1..256, 3 fresh starts);
 #                PROTOCOL_N timed requests per point (256; 512 gives a longer saturated window)
 #   STEP_AB      the decode step (eager_step.py) per EngineConfig override set, as LOOP_AB
 #   HOST=1       host work per engine step at C = 64 and 128 (benchmarks/host_cost.py)

@@ -1,4 +1,4 @@
-"""The served benchmark of performance.md: the real server, the real WebSocket protocol, a
+"""The served benchmark of docs/PERFORMANCE.md: the real server, the real WebSocket protocol, a
 closed loop of C clients on the same host sending voice-clone requests.
 
 For each concurrency: warm-up requests excluded (`--warmup`, 64, but never fewer than C: with

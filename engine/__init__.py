@@ -13,6 +13,8 @@ Public API (everything else in this package is internal):
 - `StreamingResampler`: 24 kHz chunks to another rate, exact across chunk cuts.
 - `default_device()`: "cuda" when a GPU is usable, else "cpu".
 - `ConfigError`: every rejected input or checkpoint.
+- Audio constants: `SAMPLE_RATE` (24 kHz), `FRAMES_PER_SECOND` (25), `FRAME_MS` (40),
+  `MAX_ROWS` (2048 rows a request), `MAX_AUDIO_SECONDS` (81.6 s: the audio of MAX_ROWS).
 - `UNTRAINED_NOTICE`: what to show whenever the embedded default model is in use.
 
 Names are imported lazily so that the torch-free bookkeeping modules (config, prompt,
@@ -29,6 +31,11 @@ _PUBLIC = {
     "SamplingParams": "engine.config",
     "VoiceReference": "engine.config",
     "NUM_CODEBOOKS": "engine.config",
+    "SAMPLE_RATE": "engine.config",
+    "FRAMES_PER_SECOND": "engine.config",
+    "FRAME_MS": "engine.config",
+    "MAX_AUDIO_SECONDS": "engine.config",
+    "MAX_ROWS": "engine.config",
     "StreamConfig": "engine.config",
     "AudioChunk": "engine.audio_output",
     "ReferenceAudioError": "engine.codec.audio_io",

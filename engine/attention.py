@@ -30,7 +30,7 @@ class AttentionMetadata:
 
     Sequence b's query tokens are `query_start_loc[b]:query_start_loc[b+1]`; they are the
     last `q_len` positions of its `seq_lens[b]` positions. `max_query_len` sizes kernel
-    launches: a captured graph freezes it (see capture-bound.md).
+    launches: a captured graph freezes it (see docs/graphs.md).
     """
 
     num_tokens: int

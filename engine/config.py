@@ -17,7 +17,11 @@ CODEBOOK_SIZE = 1026  # 1024 real codes + BOC + EOC
 BOC = 1024  # pad before a codebook starts
 EOC = 1025  # pad after a codebook ends
 FRAMES_PER_SECOND = 25
-DEFAULT_MAX_ROWS = 2048  # 2048 rows -> 2040 frames -> 81.6 s
+SAMPLE_RATE = 24000  # the codec's audio, Hz
+FRAME_SAMPLES = SAMPLE_RATE // FRAMES_PER_SECOND  # 960: one frame, 40 ms
+FRAME_MS = 1000 // FRAMES_PER_SECOND
+MAX_ROWS = 2048  # 2048 rows -> 2040 frames -> 81.6 s
+MAX_AUDIO_SECONDS = (MAX_ROWS - NUM_CODEBOOKS) / FRAMES_PER_SECOND  # 81.6
 MAX_TEMPERATURE = 100.0
 
 ADDED_TOKENS = ("<|tts|>", "<|text|>", "<|audio|>", "<|ref_audio|>", "<|ref_text|>")
@@ -237,7 +241,7 @@ class SamplingParams:
     top_k: int = 50
     top_p: float = 0.95
     seed: int | None = None
-    max_rows: int = DEFAULT_MAX_ROWS
+    max_rows: int = MAX_ROWS
 
     def __post_init__(self) -> None:
         if (
@@ -258,8 +262,8 @@ class SamplingParams:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None and (type(self.seed) is not int or not 0 <= self.seed < 2**63):
             raise ConfigError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
-        if not isinstance(self.max_rows, int) or not 1 <= self.max_rows <= DEFAULT_MAX_ROWS:
-            raise ConfigError(f"max_rows must be in [1, {DEFAULT_MAX_ROWS}], got {self.max_rows}")
+        if not isinstance(self.max_rows, int) or not 1 <= self.max_rows <= MAX_ROWS:
+            raise ConfigError(f"max_rows must be in [1, {MAX_ROWS}], got {self.max_rows}")
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> SamplingParams:

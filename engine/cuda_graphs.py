@@ -2,7 +2,7 @@
 once before serving; a step whose token count fits a bucket replays it, any other shape runs
 eagerly. Serving never captures.
 
-The safe capture bound (capture-bound.md): the attention kernel's launch is sized from
+The safe capture bound (docs/graphs.md): the attention kernel's launch is sized from
 `max_query_len`, which a graph freezes. A graph captured without an explicit bound therefore
 uses the bucket's token count (one request may own every token of the bucket); decode-only
 graphs keep 1; an explicit bound is kept. Runtime metadata (query_start_loc, seq_lens,

@@ -5,7 +5,7 @@ launch.
 Grid: (sequence, query block, KV head). One program handles BLOCK_M query tokens of one
 sequence for the G query heads sharing one KV head (GQA), so its tile has BLOCK_M * G rows.
 The number of query blocks comes from `max_query_len`: a CUDA graph freezes it, which is why
-an unconstrained capture must use the bucket's token count (see capture-bound.md). Knows
+an unconstrained capture must use the bucket's token count (see docs/graphs.md). Knows
 nothing of requests or schedulers: tensors in, tensor out.
 
 Layouts: q/out `[T, Hq, D]`; k_cache/v_cache `[num_blocks, page, Hkv, D]`; query_start_loc

@@ -26,7 +26,8 @@ from engine import (
     default_device,
 )
 from service.config import ServiceSettings
-from service.engine_process import EngineProcess, EngineSpec
+from service.engine_client import EngineClient
+from service.engine_host import EngineSpec, settle_garbage_collector
 from service.http_api import (
     health,
     http_error,
@@ -40,24 +41,23 @@ from service.http_api import (
 )
 from service.metrics import Metrics
 from service.voices import Voice, VoiceStore, voice_id_for
-from service.worker import EngineWorker, settle_garbage_collector
 from service.ws import stream_endpoint
 
 log = logging.getLogger("clonecast.app")
 
 
 class Services:
-    """Everything the handlers share: settings, the engine (through its worker), voices,
-    metrics. The handlers reach the engine only through `worker` (an `EngineProcess` by
-    default, an `EngineWorker` thread when an engine object is given or
-    `settings.engine_process` is off)."""
+    """Everything the handlers share: settings, the engine (through its client), voices,
+    metrics. The handlers reach the engine only through `worker`, an `EngineClient`: to an
+    engine process by default, to a thread of this process when an engine object is given or
+    `settings.engine_process` is off."""
 
     def __init__(self, settings: ServiceSettings, engine: Engine | None = None):
         self.settings = settings
         self.metrics = Metrics()
         self.voices = VoiceStore(settings.limits.max_voices)
         self.engine = engine  # in-process engine only
-        self.worker: EngineWorker | EngineProcess | None = None
+        self.worker: EngineClient | None = None
         self.is_ready = False
         self.connections = 0
 
@@ -72,7 +72,7 @@ class Services:
                 logging.getLogger("clonecast").getEffectiveLevel(),
                 self.settings.profile,
             )
-            self.worker = EngineProcess(spec, on_step=self._on_step)
+            self.worker = EngineClient.in_process(spec, on_step=self._on_step)
         else:
             if self.engine is None:
                 self.engine = Engine.from_pretrained(
@@ -81,7 +81,7 @@ class Services:
                     codec=self.settings.codec,
                     cache_dir=self.settings.cache_dir,
                 )
-            self.worker = EngineWorker(self.engine, on_step=self._on_step)
+            self.worker = EngineClient.in_thread(self.engine, on_step=self._on_step)
         self.worker.start()
         info = self.worker.info
         if not info.has_codec:

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from engine import SAMPLE_RATE as ENGINE_RATE
 from engine import StreamingResampler
 
-ENGINE_RATE = 24000
 FORMATS = ("pcm16", "f32", "mulaw", "wav")
 SAMPLE_RATES = (8000, 16000, 22050, 24000, 44100, 48000)
 

@@ -15,6 +15,9 @@ import wave
 from pathlib import Path
 
 from engine import (
+    FRAMES_PER_SECOND,
+    MAX_ROWS,
+    SAMPLE_RATE,
     UNTRAINED_NOTICE,
     ConfigError,
     Engine,
@@ -51,8 +54,8 @@ def generate(args: argparse.Namespace) -> int:
         )
     )
     print(
-        f"{len(result.rows)} rows ({frames / 25:.2f} s of audio, finish: {result.finish_reason}) "
-        f"in {seconds:.2f} s -> {out}"
+        f"{len(result.rows)} rows ({frames / FRAMES_PER_SECOND:.2f} s of audio, "
+        f"finish: {result.finish_reason}) in {seconds:.2f} s -> {out}"
     )
     return 0
 
@@ -95,7 +98,7 @@ def synthesize(args: argparse.Namespace) -> int:
     with wave.open(str(out), "wb") as wav:  # header sizes are patched on close
         wav.setnchannels(1)
         wav.setsampwidth(2)
-        wav.setframerate(24000)
+        wav.setframerate(SAMPLE_RATE)
         while engine.has_unfinished():
             for event in engine.step():
                 chunk = event.audio
@@ -196,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--log-level", default="info")
     v.set_defaults(func=serve)
     s = sub.add_parser("synthesize", help="speak a text into a WAV file, streaming")
-    _add_common(s, max_rows=2048)
+    _add_common(s, max_rows=MAX_ROWS)
     s.add_argument("--reference", help="reference recording to clone (WAV/FLAC/OGG/MP3...)")
     s.add_argument("--transcript", help="what the reference recording says")
     s.add_argument("--out", default="out/speech.wav")

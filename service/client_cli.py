@@ -16,8 +16,8 @@ from typing import Any
 
 from service.sdk import DEFAULT_URL, ClonecastError
 from service.sdk_sync import Client, SyncUtterance
+from service.wire import DEFAULT_SAMPLE_RATE as SAMPLE_RATE
 
-SAMPLE_RATE = 24000
 DEFAULT_OUT = "out/say.wav"
 
 

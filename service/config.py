@@ -74,7 +74,7 @@ class ServiceSettings:
     attention_backend: str = "auto"  # the execution plan's (auto: Triton on CUDA, else torch)
     kv_cache_dtype: str = "auto"  # EngineConfig.kv_cache_dtype (fp8: float8 e4m3, lossy)
     gil_switch_ms: float = 0.5
-    # The engine in a process of its own (service/engine_process.py): the server's event
+    # The engine in a process of its own (service/engine_client.py): the server's event
     # loop then never holds the interpreter lock the engine's step needs (on the H200 a
     # second thread holding it 30% of the time made the batch-64 step 6% slower).
     engine_process: bool = True

@@ -13,10 +13,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from engine import ConfigError
-from service.audio_format import StreamEncoder, wav_header
+from service.audio_format import wav_header
 from service.auth import extract_key, key_allowed
 from service.protocol import ProtocolError, check_transcript, loads_json, parse_params
 from service.text_segments import split_text
+from service.utterance import State, Utterance
 
 MEDIA_TYPES = {
     "wav": "audio/wav",
@@ -181,8 +182,8 @@ async def speech(request: Request) -> Response:
             return Response(status_code=499)  # nobody reads it: "client closed request"
     try:
         audio = collecting.result()
-    except ConfigError as exc:
-        return error("generation_failed", str(exc), 500)
+    except _BadInput as exc:
+        return error(exc.code, f"generation failed: {exc}", 500)
     if fmt.format == "wav":  # a proper header with sizes for a complete file
         audio = wav_header(fmt.sample_rate, len(audio) - 44) + audio[44:]
     return Response(audio, media_type=MEDIA_TYPES[fmt.format])
@@ -213,6 +214,8 @@ async def _read_body(request: Request, limit: int) -> bytes | None:
 
 
 class _BadInput(ConfigError):
+    """A request's input refused, or its utterance failed: with the error code to answer."""
+
     def __init__(self, code: str, message: str):
         super().__init__(message)
         self.code = code
@@ -263,35 +266,42 @@ def _speech_job(body: dict, services) -> dict:
     return {"segments": segments, "reference": reference, "params": params, "format": fmt}
 
 
+class _Collector:
+    """The listener of an HTTP speech request's utterance: its audio into a queue, then None
+    (done) or the failure (a _BadInput with the utterance's error code)."""
+
+    def __init__(self):
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def on_audio(self, utt, data: bytes, start_frame: int, end_frame: int) -> None:
+        self.queue.put_nowait(data)
+
+    def on_done(self, utt, tail: bytes) -> None:
+        self.queue.put_nowait(tail)
+        self.queue.put_nowait(None)
+
+    def on_failed(self, utt, code: str, message: str) -> None:
+        self.queue.put_nowait(_BadInput(code, message))
+
+
 async def _generate(services, job: dict):
-    """Runs the segments one after another; yields encoded audio as it is produced. Closing
-    the generator (the client went away) aborts the running request."""
+    """The request's utterance (the same runner as the WebSocket's: two segments in flight,
+    audio in order); yields encoded audio as it is produced. Closing the generator (the client
+    went away) aborts the running requests."""
+    collector = _Collector()
+    uid = f"http-{uuid.uuid4().hex[:12]}"
     loop = asyncio.get_running_loop()
-    encoder = StreamEncoder(job["format"])
-    for index, text in enumerate(job["segments"]):
-        queue: asyncio.Queue = asyncio.Queue()
-        request_id = f"http/{uuid.uuid4().hex}/{index}"
-
-        def sink(out, queue=queue):
-            loop.call_soon_threadsafe(queue.put_nowait, out)
-
-        finished = False
-        try:
-            try:
-                await asyncio.wrap_future(
-                    services.worker.submit(request_id, text, job["reference"], job["params"], sink)
-                )
-            except RuntimeError as exc:  # the engine process is gone
-                raise ConfigError(f"generation failed: {exc}") from exc
-            while not finished:
-                out = await queue.get()
-                if isinstance(out, BaseException) or out.finish_reason == "error":
-                    detail = out if isinstance(out, BaseException) else out.audio.error
-                    raise ConfigError(f"generation failed: {detail}")
-                if out.audio is not None and out.audio.pcm:
-                    yield encoder.encode(out.audio.pcm)
-                finished = out.finished
-        finally:
-            if not finished:
-                services.worker.abort(request_id)
-    yield encoder.finish()
+    utt = Utterance(
+        uid, job["reference"], job["params"], job["format"], True, services.worker, loop,
+        collector, uid,
+    )  # fmt: skip
+    try:
+        utt.add_segments(job["segments"])
+        utt.pump()
+        while (item := await collector.queue.get()) is not None:
+            if isinstance(item, _BadInput):
+                raise item
+            yield item
+    finally:
+        if utt.state is State.RUNNING:
+            utt.end(State.CANCELLED)

@@ -8,7 +8,14 @@ import binascii
 import json
 import math
 
-from engine import ConfigError, SamplingParams
+from engine import (
+    FRAMES_PER_SECOND,
+    MAX_AUDIO_SECONDS,
+    MAX_ROWS,
+    NUM_CODEBOOKS,
+    ConfigError,
+    SamplingParams,
+)
 from service.audio_format import OutputFormat
 
 MESSAGE_TYPES = ("speak", "append", "flush", "cancel", "voice.create", "voice.upload", "ping")
@@ -68,7 +75,8 @@ def parse_params(
     params: object, output: object, uid: str | None = None
 ) -> tuple[SamplingParams, OutputFormat]:
     """`params` and `output` of a speak (or an HTTP speech request) -> validated objects.
-    `max_duration_s` (0, 81.6] becomes the row cap: ceil(s * 25) frames + the 8-row ramp."""
+    `max_duration_s` (0, 81.6] becomes the row cap: ceil(s * 25) frames + the 8-row ramp
+    (seven rows before the first complete frame, one for the frame the stream drops)."""
     if params is None:
         params = {}
     if not isinstance(params, dict):
@@ -84,10 +92,13 @@ def parse_params(
             if (
                 not isinstance(max_s, (int, float))
                 or isinstance(max_s, bool)
-                or not 0 < max_s <= 81.6
+                or not 0 < max_s <= MAX_AUDIO_SECONDS
             ):
-                raise ConfigError(f"max_duration_s must be in (0, 81.6], got {max_s!r}")
-            raw["max_rows"] = min(2048, math.ceil(max_s * 25) + 8)
+                raise ConfigError(
+                    f"max_duration_s must be in (0, {MAX_AUDIO_SECONDS:g}], got {max_s!r}"
+                )
+            frames = math.ceil(max_s * FRAMES_PER_SECOND)
+            raw["max_rows"] = min(MAX_ROWS, frames + NUM_CODEBOOKS)
         sampling = SamplingParams.from_dict(raw)
         fmt = OutputFormat.parse(output)
     except (ConfigError, ValueError, TypeError, OverflowError) as exc:
@@ -116,3 +127,58 @@ def check_transcript(value, uid: str | None = None) -> str | None:
             "text_too_long", f"'transcript' is limited to {MAX_TRANSCRIPT_CHARS} characters", uid
         )
     return value
+
+
+def parse_id(message: dict) -> str:
+    uid = message.get("id")
+    if not isinstance(uid, str) or not uid or len(uid.encode()) > 255:
+        raise ProtocolError("bad_request", "'id' must be a non-empty string of at most 255 bytes")
+    return uid
+
+
+def parse_text(message: dict, max_chars: int) -> str:
+    """The whole text of a speak."""
+    text = message.get("text")
+    uid = message.get("id") if isinstance(message.get("id"), str) else None
+    if not isinstance(text, str):
+        raise ProtocolError("bad_request", "'text' must be a string", uid)
+    if not text.strip():
+        raise ProtocolError("empty_text", "nothing to speak: 'text' is empty", uid)
+    if len(text) > max_chars:
+        raise ProtocolError(
+            "text_too_long", f"'text' is {len(text)} characters; the limit is {max_chars}", uid
+        )
+    return text
+
+
+def parse_voice_id(message: dict, uid: str) -> str | None:
+    voice_id = message.get("voice_id")
+    if voice_id is not None and not isinstance(voice_id, str):
+        raise ProtocolError("bad_request", "'voice_id' must be a string", uid)
+    return voice_id
+
+
+def parse_inline_voice(message: dict, max_bytes: int, uid: str) -> tuple[bytes, str | None] | None:
+    """A speak's (or first append's) inline `voice`: (audio bytes, transcript), or None."""
+    inline = message.get("voice")
+    if inline is None:
+        return None
+    if not isinstance(inline, dict):
+        raise ProtocolError("bad_request", "'voice' must be an object with audio_b64", uid)
+    data = decode_b64(inline.get("audio_b64"), "voice.audio_b64", max_bytes, uid)
+    return data, check_transcript(inline.get("transcript"), uid)
+
+
+def parse_upload(message: dict, max_bytes: int) -> int:
+    """The announced size of a voice.upload's binary frame (its transcript checked too)."""
+    size = message.get("bytes")
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise ProtocolError(
+            "bad_request", "voice.upload needs 'bytes': the size of the binary frame"
+        )
+    if size > max_bytes:
+        raise ProtocolError(
+            "message_too_large", f"reference uploads are limited to {max_bytes} bytes"
+        )
+    check_transcript(message.get("transcript"))
+    return size

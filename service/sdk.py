@@ -33,19 +33,9 @@ from typing import Any
 from websockets.asyncio.client import connect as _ws_connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 
-from service.wire import PROTOCOL, unpack_audio
+from service.wire import CLOSE_CODES, DEFAULT_SAMPLE_RATE, PROTOCOL, unpack_audio
 
 DEFAULT_URL = "ws://127.0.0.1:8737/v1/stream"
-# Close codes of docs/protocol.md, named like the error codes the server sends before them.
-_CLOSE_CODES = {
-    1009: "message_too_large",
-    1011: "server_error",
-    1012: "server_restarting",
-    4401: "unauthorized",
-    4403: "forbidden_origin",
-    4408: "idle_timeout",
-    4429: "over_capacity",
-}
 
 
 class ClonecastError(Exception):
@@ -195,7 +185,7 @@ class AsyncClient:
         self.ready = ready
         self.session_id: str | None = ready.get("session_id")
         self.model_untrained = bool(ready.get("model", {}).get("untrained"))
-        self.sample_rate: int = ready.get("audio", {}).get("sample_rate", 24000)
+        self.sample_rate: int = ready.get("audio", {}).get("sample_rate", DEFAULT_SAMPLE_RATE)
         self.limits: dict = ready.get("limits", {})
         self.errors: collections.deque[ClonecastError] = collections.deque(maxlen=32)
         self.closed_error: ClonecastError | None = None  # why the connection is over, once it is
@@ -463,7 +453,7 @@ class AsyncClient:
 
 
 def _closed_by_server(code: int | None, reason: str, errors: Any) -> ClonecastError:
-    name = _CLOSE_CODES.get(code, "connection_closed")
+    name = CLOSE_CODES.get(code, "connection_closed")
     said = next((e for e in reversed(errors or ()) if e.code == name), None)
     detail = said.message if said else (reason or "the server closed the connection")
     return ClonecastError(name, f"{detail} (close code {code})")

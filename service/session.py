@@ -1,7 +1,8 @@
-"""One WebSocket connection speaking `clonecast.v1` (docs/protocol.md): parses client
-messages, runs utterances through the engine worker, and sends their audio with one sender
-task whose queue is bounded per utterance (a slow reader ends its own utterance, not the
-server). A disconnect cancels everything the connection started.
+"""One WebSocket connection speaking `clonecast.v1` (docs/protocol.md): reads client
+messages (parsed and checked by service/protocol.py), opens utterances (service/utterance.py
+runs them through the engine) and writes their audio with one sender task whose queue is
+bounded per utterance (a slow reader ends its own utterance, not the server). A disconnect
+cancels everything the connection started.
 """
 
 from __future__ import annotations
@@ -14,13 +15,18 @@ import uuid
 
 from starlette.websockets import WebSocket
 
-from engine import ConfigError, RequestOutput
+from engine import FRAME_MS, ConfigError
 from service.protocol import (
     ProtocolError,
     check_transcript,
     decode_b64,
+    parse_id,
+    parse_inline_voice,
     parse_message,
     parse_params,
+    parse_text,
+    parse_upload,
+    parse_voice_id,
 )
 from service.text_segments import SegmentBuffer, split_text
 from service.utterance import State, Utterance
@@ -38,7 +44,6 @@ class Session:
         self.id = "s_" + uuid.uuid4().hex[:12]
         self.utterances: dict[str, Utterance] = {}
         self.buffers: dict[str, SegmentBuffer] = {}
-        self.by_request: dict[str, tuple[Utterance, int]] = {}
         # ids cancelled on this connection (the latest MAX_CANCELLED_IDS): a late `append` to
         # one is refused rather than opening a new utterance that would speak the tail of
         # text the client barged in on; a `speak` may reuse the id
@@ -47,7 +52,6 @@ class Session:
         self.loop = asyncio.get_running_loop()
         self.pending_upload: dict | None = None
         self.tasks: set[asyncio.Task] = set()  # voice encodes running for this connection
-        self.closed = False
 
     # -- outgoing ----------------------------------------------------------------------------
 
@@ -171,17 +175,7 @@ class Session:
         self._spawn(self._create_voice(data, transcript, message.get("request_id")))
 
     async def _on_voice_upload(self, message: dict) -> None:
-        size = message.get("bytes")
-        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-            raise ProtocolError(
-                "bad_request", "voice.upload needs 'bytes': the size of the binary frame"
-            )
-        if size > self.limits.max_upload_bytes:
-            raise ProtocolError(
-                "message_too_large",
-                f"reference uploads are limited to {self.limits.max_upload_bytes} bytes",
-            )
-        check_transcript(message.get("transcript"))
+        parse_upload(message, self.limits.max_upload_bytes)
         self.pending_upload = message
 
     async def _create_voice(self, data: bytes, transcript: str | None, request_id) -> None:
@@ -206,7 +200,7 @@ class Session:
         )
 
     async def _on_speak(self, message: dict) -> None:
-        text = _text(message, self.limits.max_text_chars)
+        text = parse_text(message, self.limits.max_text_chars)
         utt = await self._open(message, flushed=True)
         self.cancelled_ids.pop(utt.id, None)  # a new utterance under a cancelled id
         utt.text_chars = len(text)
@@ -245,7 +239,7 @@ class Session:
         if first:
             await self._start_when_voiced(utt, message)
         else:
-            self._pump(utt)
+            utt.pump()
 
     async def _on_flush(self, message: dict) -> None:
         uid = message.get("id")
@@ -264,7 +258,7 @@ class Session:
             self._end(utt, State.FAILED)
             raise ProtocolError("empty_text", "nothing to speak: the utterance has no words", uid)
         self.send_json({"type": "flushed", "id": uid})
-        self._pump(utt)
+        utt.pump()
 
     async def _on_cancel(self, message: dict) -> None:
         uid = message.get("id")
@@ -285,17 +279,14 @@ class Session:
     # -- utterances --------------------------------------------------------------------------
 
     def _add_checked(self, utt: Utterance, segments: list[str]) -> None:
-        """Queues complete segments after `_check_texts`."""
-        self._check_texts(utt, segments)
-        utt.add_segments(segments)
+        """Queues complete segments after the engine's text check."""
+        self._checked(utt, utt.add_segments, segments)
 
-    def _check_texts(self, utt: Utterance, texts: list[str]) -> None:
-        """The engine's text check (structural tokens, prompt length with the utterance's
-        voice) on each text; a text it refuses ends the utterance with `bad_request`, and
-        any other failure ends it too before it propagates (never left running)."""
+    def _checked(self, utt: Utterance, check, texts: list[str]) -> None:
+        """`check(texts)`; a text the engine refuses ends the utterance with `bad_request`,
+        and any other failure ends it too before it propagates (never left running)."""
         try:
-            for text in texts:
-                self.services.worker.check_text(text, utt.voice)
+            check(texts)
         except ConfigError as exc:
             self._end(utt, State.FAILED)
             raise ProtocolError("bad_request", str(exc), utt.id) from exc
@@ -304,11 +295,7 @@ class Session:
             raise
 
     async def _open(self, message: dict, flushed: bool) -> Utterance:
-        uid = message.get("id")
-        if not isinstance(uid, str) or not uid or len(uid.encode()) > 255:
-            raise ProtocolError(
-                "bad_request", "'id' must be a non-empty string of at most 255 bytes"
-            )
+        uid = parse_id(message)
         if uid in self.utterances:  # no id: the running one goes on
             raise ProtocolError("duplicate_id", f"utterance {uid!r} is already running")
         if len(self.utterances) >= self.limits.max_utterances:
@@ -321,44 +308,29 @@ class Session:
             raise ProtocolError("over_capacity", "the server is at capacity: retry shortly", uid)
         params, fmt = parse_params(message.get("params"), message.get("output"), uid)
         voice = None
-        if message.get("voice_id") is not None:
-            if not isinstance(message["voice_id"], str):
-                raise ProtocolError("bad_request", "'voice_id' must be a string", uid)
-            found = self.services.voices.get(message["voice_id"])
+        voice_id = parse_voice_id(message, uid)
+        if voice_id is not None:
+            found = self.services.voices.get(voice_id)
             if found is None:
-                raise ProtocolError(
-                    "unknown_voice", f"no voice {message['voice_id']!r}: create it first", uid
-                )
+                raise ProtocolError("unknown_voice", f"no voice {voice_id!r}: create it first", uid)
             voice = found.reference
-        utt = Utterance(uid, voice, params, fmt, flushed)
+        worker, loop = self.services.worker, self.loop
+        utt = Utterance(uid, voice, params, fmt, flushed, worker, loop, self, f"{self.id}/{uid}")
         self.utterances[uid] = utt
         return utt
 
     async def _start_when_voiced(self, utt: Utterance, message: dict) -> None:
-        inline = message.get("voice")
-        if inline is not None:
-            if not isinstance(inline, dict):
-                self._end(utt, State.FAILED)
-                raise ProtocolError(
-                    "bad_request", "'voice' must be an object with audio_b64", utt.id
-                )
-            try:
-                data = decode_b64(
-                    inline.get("audio_b64"), "voice.audio_b64", self.limits.max_upload_bytes, utt.id
-                )
-            except ProtocolError:
-                self._end(utt, State.FAILED)
-                raise
-            utt.ready = False
-            # Encoding takes a while: the connection keeps reading (a cancel must get through).
-            try:
-                transcript = check_transcript(inline.get("transcript"), utt.id)
-            except ProtocolError:
-                self._end(utt, State.FAILED)
-                raise
-            self._spawn(self._voice_then_start(utt, data, transcript))
+        try:
+            inline = parse_inline_voice(message, self.limits.max_upload_bytes, utt.id)
+        except ProtocolError:
+            self._end(utt, State.FAILED)
+            raise
+        if inline is None:
+            utt.pump()
             return
-        self._pump(utt)
+        # Encoding takes a while: the connection keeps reading (a cancel must get through).
+        utt.ready = False
+        self._spawn(self._voice_then_start(utt, *inline))
 
     async def _voice_then_start(self, utt: Utterance, data: bytes, transcript) -> None:
         try:
@@ -383,87 +355,34 @@ class Session:
             return  # cancelled while the voice was encoding
         utt.voice, utt.ready = voice.reference, True
         try:  # the segments so far were checked without the voice (prompt length with it)
-            self._check_texts(utt, [seg.text for seg in utt.segments])
+            self._checked(utt, utt.check_texts, [seg.text for seg in utt.segments])
         except ProtocolError as exc:
             self.send_error(exc.code, str(exc), exc.uid)
             return
-        self._pump(utt)
+        utt.pump()
 
     def _spawn(self, coro) -> None:
         task = asyncio.create_task(coro)
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
-    def _pump(self, utt: Utterance) -> None:
-        """Starts segments that may run, sends audio that may go out, finishes when done."""
-        for seg in utt.to_submit():
-            seg.request_id = f"{self.id}/{utt.id}/{seg.index}/{uuid.uuid4().hex[:6]}"
-            self.by_request[seg.request_id] = (utt, seg.index)
-            future = self.services.worker.submit(
-                seg.request_id, seg.text, utt.voice, utt.params, self._sink(seg.request_id)
-            )
-            future.add_done_callback(lambda f, rid=seg.request_id: self._submitted(f, rid))
-        for data, start_frame, end_frame in utt.next_audio():
-            self._queue_audio(utt, data, False, start_frame * 40, end_frame * 40)
-            if utt.state is not State.RUNNING:
-                return
-        if utt.complete:
-            tail = utt.encoder.finish()
-            utt.state = State.DONE
-            self._queue_audio(utt, tail, True, None, None)
-            self._forget(utt)
+    # -- the utterances' listener (service/utterance.py) ------------------------------------
 
-    def _sink(self, request_id: str):
-        def deliver(out: RequestOutput | BaseException) -> None:
-            if not self.closed:
-                self.loop.call_soon_threadsafe(self._on_output, request_id, out)
+    def on_audio(self, utt: Utterance, data: bytes, start_frame: int, end_frame: int) -> None:
+        self._queue_audio(utt, data, False, start_frame * FRAME_MS, end_frame * FRAME_MS)
 
-        return deliver
+    def on_done(self, utt: Utterance, tail: bytes) -> None:
+        self._queue_audio(utt, tail, True, None, None)
+        self._forget(utt)
 
-    def _submitted(self, future, request_id: str) -> None:
-        exc = future.exception()
-        if exc is not None:
-            self.loop.call_soon_threadsafe(self._on_output, request_id, exc)
-
-    def _on_output(self, request_id: str, out: RequestOutput | BaseException) -> None:
-        entry = self.by_request.get(request_id)
-        if entry is None:
-            return
-        utt, index = entry
-        if utt.state is not State.RUNNING:
-            return
-        try:
-            self._take_output(utt, index, request_id, out)
-        except Exception:  # a bug: this utterance ends with `internal`, not silence forever
-            log.exception("handling engine output for %s failed", utt.id)
-            if utt.state is State.RUNNING:
-                self._end(utt, State.FAILED)
-                self.send_error("internal", "the server failed to produce this audio", utt.id)
-
-    def _take_output(self, utt: Utterance, index: int, request_id: str, out) -> None:
-        seg = utt.segments[index]
-        if isinstance(out, BaseException) or out.finish_reason == "error":
-            detail = (
-                str(out)
-                if isinstance(out, BaseException)
-                else (out.audio.error if out.audio else "")
-            )
-            code = "bad_parameter" if isinstance(out, ConfigError) else "generation_failed"
-            self._end(utt, State.FAILED)
-            self.send_error(code, f"segment {index} failed: {detail}", utt.id)
-            return
-        if out.audio is not None:
-            seg.chunks.append(out.audio)
-        if out.finished:
-            seg.finished, seg.reason = True, out.finish_reason
-            self.by_request.pop(request_id, None)
-        self._pump(utt)
+    def on_failed(self, utt: Utterance, code: str, message: str) -> None:
+        self.services.metrics.requests.labels("error").inc()
+        self._forget(utt)
+        self.send_error(code, message, utt.id)
 
     def _end(self, utt: Utterance, state: State) -> None:
         """Cancels or fails an utterance: aborts its engine requests, sends nothing more."""
-        utt.state = state
-        for request_id in utt.active_request_ids():
-            self.services.worker.abort(request_id)
+        utt.end(state)
         self.services.metrics.requests.labels(
             "error" if state is State.FAILED else "cancelled"
         ).inc()
@@ -472,28 +391,10 @@ class Session:
     def _forget(self, utt: Utterance) -> None:
         self.utterances.pop(utt.id, None)
         self.buffers.pop(utt.id, None)
-        for seg in utt.segments:
-            if seg.request_id:
-                self.by_request.pop(seg.request_id, None)
 
     def close(self) -> None:
         """The client is gone: abort everything it started."""
-        self.closed = True
         for task in list(self.tasks):
             task.cancel()
         for utt in list(self.utterances.values()):
             self._end(utt, State.CANCELLED)
-
-
-def _text(message: dict, max_chars: int) -> str:
-    text = message.get("text")
-    uid = message.get("id") if isinstance(message.get("id"), str) else None
-    if not isinstance(text, str):
-        raise ProtocolError("bad_request", "'text' must be a string", uid)
-    if not text.strip():
-        raise ProtocolError("empty_text", "nothing to speak: 'text' is empty", uid)
-    if len(text) > max_chars:
-        raise ProtocolError(
-            "text_too_long", f"'text' is {len(text)} characters; the limit is {max_chars}", uid
-        )
-    return text

@@ -1,21 +1,26 @@
-"""One utterance of a connection: its text segments, their engine requests, and the order in
-which their audio goes out.
+"""One utterance, whatever its transport (a WebSocket session or an HTTP speech request): its
+text segments, their engine requests, and the order in which their audio goes out.
 
 Segments run as separate engine requests, at most two at a time (the one being heard and
-the next, so there is no gap between them); audio is emitted strictly in segment order, with
-one continuous sequence number and one output encoder. Runs on the event loop only.
+the next, so there is no gap between them); audio is handed to the utterance's listener
+strictly in segment order, through one output encoder. Engine events arrive on the engine's
+thread and are moved to the event loop; everything else runs on the event loop only.
 """
 
 from __future__ import annotations
 
 import enum
+import logging
 import time
+import uuid
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from engine import AudioChunk, SamplingParams, VoiceReference
+from engine import AudioChunk, ConfigError, RequestOutput, SamplingParams, VoiceReference
 from service.audio_format import OutputFormat, StreamEncoder
 
+log = logging.getLogger("clonecast.utterance")
 MAX_SEGMENTS_IN_FLIGHT = 2
 
 
@@ -63,6 +68,19 @@ class Stats:
         }
 
 
+class Listener(Protocol):
+    """Where an utterance's audio goes (the transport); called on the event loop."""
+
+    def on_audio(self, utt: Utterance, data: bytes, start_frame: int, end_frame: int) -> None:
+        """Encoded audio of frames [start, end) of the utterance's timeline."""
+
+    def on_done(self, utt: Utterance, tail: bytes) -> None:
+        """Every segment was heard; `tail`: the encoder's last bytes (may be empty)."""
+
+    def on_failed(self, utt: Utterance, code: str, message: str) -> None:
+        """The utterance failed (it has ended itself, its engine requests are aborted)."""
+
+
 class Utterance:
     def __init__(
         self,
@@ -71,7 +89,13 @@ class Utterance:
         params: SamplingParams,
         fmt: OutputFormat,
         flushed: bool,
+        engine,
+        loop,
+        listener: Listener,
+        tag: str,
     ):
+        """`engine`: the service's engine client (submit, abort, check_text); `loop`: the
+        event loop engine events are moved to; `tag`: the start of its engine request ids."""
         self.id = uid
         self.voice = voice
         self.params = params
@@ -84,13 +108,94 @@ class Utterance:
         self.emit_index = 0
         self.frames_done = 0  # frames of the segments already heard
         self.seq = 0
-        self.buffered_bytes = 0  # queued for the socket, not yet sent
+        self.buffered_bytes = 0  # queued for the transport, not yet sent
         self.stats = Stats()
         self.text_chars = 0
+        self._engine, self._loop, self._listener = engine, loop, listener
+        self._prefix = f"{tag}/{uuid.uuid4().hex[:8]}"  # engine request ids of its segments
+
+    # -- text --------------------------------------------------------------------------------
 
     def add_segments(self, texts: list[str]) -> None:
+        """Queues complete segments after the engine's text check (structural tokens, prompt
+        length with the utterance's voice); raises ConfigError for a text it refuses."""
+        self.check_texts(texts)
         for text in texts:
             self.segments.append(Segment(len(self.segments), text))
+
+    def check_texts(self, texts: list[str]) -> None:
+        for text in texts:
+            self._engine.check_text(text, self.voice)
+
+    # -- the engine --------------------------------------------------------------------------
+
+    def pump(self) -> None:
+        """Starts segments that may run, hands out audio that may go out, finishes when
+        every segment was heard."""
+        for seg in self.to_submit():
+            seg.request_id = f"{self._prefix}/{seg.index}"
+            future = self._engine.submit(
+                seg.request_id, seg.text, self.voice, self.params, self._sink(seg)
+            )
+            future.add_done_callback(lambda f, seg=seg: self._submitted(f, seg))
+        for data, start_frame, end_frame in self.next_audio():
+            self._listener.on_audio(self, data, start_frame, end_frame)
+            if self.state is not State.RUNNING:
+                return  # the listener ended it (a slow reader)
+        if self.complete:
+            tail = self.encoder.finish()
+            self.state = State.DONE
+            self._listener.on_done(self, tail)
+
+    def end(self, state: State) -> None:
+        """Cancels or fails the utterance: aborts its engine requests; nothing more goes to
+        the listener."""
+        self.state = state
+        for request_id in self.active_request_ids():
+            self._engine.abort(request_id)
+
+    def _sink(self, seg: Segment):
+        def deliver(out: RequestOutput | BaseException) -> None:  # the engine's thread
+            if self.state is State.RUNNING:
+                self._loop.call_soon_threadsafe(self._on_output, seg, out)
+
+        return deliver
+
+    def _submitted(self, future, seg: Segment) -> None:
+        exc = future.exception()
+        if exc is not None and self.state is State.RUNNING:
+            self._loop.call_soon_threadsafe(self._on_output, seg, exc)
+
+    def _on_output(self, seg: Segment, out: RequestOutput | BaseException) -> None:
+        if self.state is not State.RUNNING or seg.finished:
+            return
+        try:
+            self._take(seg, out)
+        except Exception:  # a bug: this utterance ends with `internal`, not silence forever
+            log.exception("handling engine output for %s failed", self.id)
+            if self.state is State.RUNNING:
+                self.fail("internal", "the server failed to produce this audio")
+
+    def _take(self, seg: Segment, out: RequestOutput | BaseException) -> None:
+        if isinstance(out, BaseException) or out.finish_reason == "error":
+            if isinstance(out, BaseException):
+                detail = str(out)
+            else:
+                detail = out.audio.error if out.audio else ""
+            code = "bad_parameter" if isinstance(out, ConfigError) else "generation_failed"
+            self.fail(code, f"segment {seg.index} failed: {detail}")
+            return
+        if out.audio is not None:
+            seg.chunks.append(out.audio)
+        if out.finished:
+            seg.finished, seg.reason = True, out.finish_reason
+        self.pump()
+
+    def fail(self, code: str, message: str) -> None:
+        self.end(State.FAILED)
+        self._listener.on_failed(self, code, message)
+
+    # -- bookkeeping -------------------------------------------------------------------------
 
     def to_submit(self) -> list[Segment]:
         """Segments that may start now (keeping at most two in flight)."""

@@ -9,7 +9,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from engine import VoiceReference
+from engine import FRAMES_PER_SECOND, VoiceReference
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,7 @@ class Voice:
         return {
             "voice_id": self.voice_id,
             "frames": self.frames,
-            "duration_s": round(self.frames / 25, 2),
+            "duration_s": round(self.frames / FRAMES_PER_SECOND, 2),
             "transcript": self.reference.text,
             "created_at": self.created_at,
         }

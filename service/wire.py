@@ -1,5 +1,7 @@
-"""The binary audio frame header of protocol `clonecast.v1` (docs/protocol.md), shared by
-the server and the SDK. Standard library only."""
+"""The wire constants of protocol `clonecast.v1` (docs/protocol.md), shared by the server and
+the SDK: the binary audio frame header, the close codes, the default audio rate. Standard
+library only (clients import it without the engine; a test holds DEFAULT_SAMPLE_RATE to the
+engine's)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,19 @@ PROTOCOL = "clonecast.v1"
 MAGIC = b"CC"
 VERSION = 1
 FLAG_LAST = 1
+DEFAULT_SAMPLE_RATE = 24000  # audio without an `output` rate: the engine's own
+
+# Close codes of the protocol, named like the error codes the server sends before them.
+CLOSE_UNAUTHORIZED, CLOSE_FORBIDDEN, CLOSE_IDLE, CLOSE_CAPACITY = 4401, 4403, 4408, 4429
+CLOSE_CODES = {
+    1009: "message_too_large",
+    1011: "server_error",
+    1012: "server_restarting",
+    CLOSE_UNAUTHORIZED: "unauthorized",
+    CLOSE_FORBIDDEN: "forbidden_origin",
+    CLOSE_IDLE: "idle_timeout",
+    CLOSE_CAPACITY: "over_capacity",
+}
 _FIXED = struct.Struct("<2sBBIB")  # magic, version, flags, seq, id length
 
 

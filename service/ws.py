@@ -10,13 +10,19 @@ import logging
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from engine import FRAME_MS, SAMPLE_RATE, AudioLimits, StreamConfig
 from service.auth import extract_key, key_allowed, origin_allowed
 from service.session import Session
-from service.wire import PROTOCOL
+from service.wire import (
+    CLOSE_CAPACITY,
+    CLOSE_FORBIDDEN,
+    CLOSE_IDLE,
+    CLOSE_UNAUTHORIZED,
+    PROTOCOL,
+)
 
 log = logging.getLogger("clonecast.ws")
-
-CLOSE_UNAUTHORIZED, CLOSE_FORBIDDEN, CLOSE_IDLE, CLOSE_CAPACITY = 4401, 4403, 4408, 4429
+STREAM = StreamConfig()  # the service's chunk sizes: the engine's defaults
 
 
 async def _refuse(ws: WebSocket, code: str, message: str, close_code: int, services) -> None:
@@ -100,13 +106,17 @@ def _ready_message(session: Session, services) -> dict:
         "protocol": PROTOCOL,
         "session_id": session.id,
         "model": services.model_info(),
-        "audio": {"sample_rate": 24000, "first_chunk_ms": 320, "chunk_ms": 1000},
+        "audio": {
+            "sample_rate": SAMPLE_RATE,
+            "first_chunk_ms": STREAM.first_chunk_frames * FRAME_MS,
+            "chunk_ms": STREAM.chunk_frames * FRAME_MS,
+        },
         "limits": {
             "max_text_chars": limits.max_text_chars,
             "max_utterances": limits.max_utterances,
             "max_message_bytes": limits.max_message_bytes,
             "max_upload_bytes": limits.max_upload_bytes,
-            "max_reference_seconds": 30,
+            "max_reference_seconds": AudioLimits().max_seconds,
             "idle_timeout_s": limits.idle_timeout_s,
             "max_buffered_audio_bytes": limits.max_buffered_audio_bytes,
         },

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from engine.config import (
-    DEFAULT_MAX_ROWS,
+    MAX_ROWS,
     ConfigError,
     EngineConfig,
     ModelConfig,
@@ -36,7 +36,7 @@ def test_sampling_defaults_match_spec():
         {"seed": 0},
         {"seed": 2**63 - 1},
         {"max_rows": 1},
-        {"max_rows": DEFAULT_MAX_ROWS},
+        {"max_rows": MAX_ROWS},
     ],
 )
 def test_sampling_valid_edges(kwargs):

@@ -1,4 +1,4 @@
-"""The capture query bound (capture-bound.md) and FULL-graph replay against eager execution."""
+"""The capture query bound (docs/graphs.md) and FULL-graph replay against eager execution."""
 
 from __future__ import annotations
 

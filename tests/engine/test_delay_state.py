@@ -16,9 +16,9 @@ import torch
 from engine.config import (
     BOC,
     CODEBOOK_SIZE,
-    DEFAULT_MAX_ROWS,
     EOC,
     FRAMES_PER_SECOND,
+    MAX_ROWS,
     NUM_CODEBOOKS,
 )
 from engine.delay_state import NOT_ENDING, DelayState, forbidden_codes, next_state
@@ -393,9 +393,9 @@ def test_simulated_utterance_ends_after_s_plus_8_rows(s):
 
 
 def test_length_cap_arithmetic():
-    assert DEFAULT_MAX_ROWS == 2048
+    assert MAX_ROWS == 2048
     assert FRAMES_PER_SECOND == 25
-    rows, done_at = simulate(eoc_row=None, num_rows_cap=DEFAULT_MAX_ROWS, seed=99, mask_every=64)
+    rows, done_at = simulate(eoc_row=None, num_rows_cap=MAX_ROWS, seed=99, mask_every=64)
     assert done_at is None
     assert len(rows) == 2048
     frames = undelay_rows(rows)

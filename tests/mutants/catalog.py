@@ -27,9 +27,9 @@ class Mutant:
 MUTANTS = (
     Mutant(
         "voice-dropped",
-        "service/engine_process.py",
-        '("add", wire, text, reference, params)',
-        '("add", wire, text, None, params)',
+        "service/engine_client.py",
+        "AddRequest(wire, text, reference, params)",
+        "AddRequest(wire, text, None, params)",
         (f"{WS}[clone-one]", f"{HTTP}[http-clone-two-whole]"),
         "every request reaches the engine without its voice",
     ),
@@ -80,6 +80,14 @@ MUTANTS = (
         "sampling = SamplingParams.from_dict({k: v for k, v in raw.items() if k != 'seed'})",
         (f"{WS}[plain-one]",),
         "a request's seed is dropped: seeded requests are not reproducible",
+    ),
+    Mutant(
+        "a-segment-skipped",
+        "service/utterance.py",
+        "            self.emit_index += 1\n",
+        "            self.emit_index += 1 + (self.emit_index == 0 and len(self.segments) > 1)\n",
+        (f"{WS}[plain-two]", f"{HTTP}[http-clone-two-whole]"),
+        "an utterance of several segments never speaks its second one",
     ),
     Mutant(
         "resampler-restarted-per-chunk",

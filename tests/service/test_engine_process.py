@@ -1,4 +1,4 @@
-"""The engine in its own process (`service/engine_process.py`, the server's default): requests,
+"""The engine in its own process (`service/engine_client.py`, the server's default): requests,
 their errors and reference encoding cross the process boundary intact; a cancelled wait is
 aborted and never delivered; the server's step metrics come across; a dead engine process
 fails what is in flight, turns `/ready` to 503 and refuses new work with a clear error."""
@@ -17,24 +17,26 @@ import httpx
 import pytest
 
 from engine import ConfigError, ReferenceAudioError, SamplingParams
-from service.engine_process import EngineProcess, _portable, _rebuild
+from service.engine_channel import PortableError
+from service.engine_client import EngineClient
+from service.engine_host import EngineSpec
 from tests.service.conftest import reference_audio, scrape, wait_engine_idle
 
 
 def test_exceptions_cross_as_data_and_keep_their_kind():
-    ref = _rebuild(_portable(ReferenceAudioError("audio_too_short", "only 0.1 s")))
+    ref = PortableError.of(ReferenceAudioError("audio_too_short", "only 0.1 s")).rebuild()
     assert isinstance(ref, ReferenceAudioError) and ref.code == "audio_too_short"
     assert str(ref) == "only 0.1 s"
-    cfg = _rebuild(_portable(ConfigError("bad top_k")))
+    cfg = PortableError.of(ConfigError("bad top_k")).rebuild()
     assert type(cfg) is ConfigError and str(cfg) == "bad top_k"
-    other = _rebuild(_portable(ValueError("boom")))
+    other = PortableError.of(ValueError("boom")).rebuild()
     assert type(other) is RuntimeError and "ValueError" in str(other) and "boom" in str(other)
 
 
 def test_the_default_server_runs_the_engine_in_another_process(server):
     worker = server.services.worker
-    assert isinstance(worker, EngineProcess) and worker.alive
-    assert worker._process.pid != os.getpid()
+    assert isinstance(worker, EngineClient) and worker.alive
+    assert worker.pid is not None and worker.pid != os.getpid()
     assert server.services.engine is None  # no model in the server's process
 
 
@@ -146,7 +148,7 @@ def test_a_dead_engine_process_fails_requests_and_readiness(make_server):
         got.set()
 
     worker.submit("doomed", "a long sentence to speak", None, SamplingParams(max_rows=400), sink)
-    os.kill(worker._process.pid, signal.SIGKILL)
+    os.kill(worker.pid, signal.SIGKILL)
     assert got.wait(20), "the request in flight was not failed"
     assert isinstance(seen[-1], RuntimeError) and "engine process exited" in str(seen[-1])
     r = httpx.get(server.http + "/ready", timeout=10)
@@ -168,8 +170,10 @@ _HOLDER = """
 import sys, time
 from pathlib import Path
 from engine import EngineConfig
-from service.engine_process import EngineProcess, EngineSpec
-p = EngineProcess(EngineSpec(None, EngineConfig(device="cpu"), cache_dir=Path(sys.argv[1])))
+from service.engine_client import EngineClient
+from service.engine_host import EngineSpec
+spec = EngineSpec(None, EngineConfig(device="cpu"), cache_dir=Path(sys.argv[1]))
+p = EngineClient.in_process(spec)
 p.start()
 if sys.argv[2] == "busy":  # requests streaming audio that nobody will read once killed
     from engine import SamplingParams
@@ -177,7 +181,7 @@ if sys.argv[2] == "busy":  # requests streaming audio that nobody will read once
         p.submit(f"r{i}", "a long sentence to keep the engine busy", None,
                  SamplingParams(max_rows=2048), lambda out: None)
     time.sleep(1.0)
-print(p._process.pid, flush=True)
+print(p.pid, flush=True)
 time.sleep(600)
 """
 
@@ -216,30 +220,35 @@ def test_a_steps_events_leave_the_engine_process_in_one_message():
     queue's feeder thread then wakes once a step); row-only events stay behind, and a
     request's error still goes alone."""
     from engine import RequestOutput
-    from service.engine_process import _ProcessWorker, _sink_for
+    from service.engine_channel import Outputs, RequestFailed
+    from service.engine_host import EngineHost
 
     class Events(list):
         put = list.append
 
+    class Engine:  # what the host calls of the engine here
+        def abort(self, request_id):
+            return True
+
     events = Events()
-    worker = _ProcessWorker(engine=None, events=events, on_step=None)
-    for rid in ("a", "b", "c"):
-        worker._sinks[rid] = _sink_for(events, rid)
+    host = EngineHost(Engine(), events)
+    host._live.update(("a", "b", "c"))
     chunk = object()  # stands in for an AudioChunk
     out_a = RequestOutput("a", [], audio=chunk)
     out_b = RequestOutput("b", [], True, "length", [])
     out_c = RequestOutput("c", [(1,) * 8])  # a row only: nobody reads it
-    worker._deliver([out_a, out_b, out_c])
-    assert len(events) == 1 and events[0][0] == "outs"
-    sent = events[0][1]
+    host._deliver([out_a, out_b, out_c])
+    assert len(events) == 1 and isinstance(events[0], Outputs)
+    sent = events[0].items
     assert [rid for rid, _ in sent] == ["a", "b"]
     assert sent[0][1].audio is chunk and not sent[0][1].finished
     assert sent[1][1].finished and sent[1][1].finish_reason == "length"
     assert sent[1][1].rows is None  # the rows stay in the engine process
-    assert "b" not in worker._sinks and "c" in worker._sinks
-    worker._sinks["c"](ConfigError("bad"))
-    assert events[-1] == ("fail", "c", ("ConfigError", "bad", None, True))
-    worker.encoder_pool.shutdown()
+    assert "b" not in host._live and "c" in host._live
+    host._live.discard("a")
+    host._fail_all(ConfigError("bad"))
+    assert events[-1] == RequestFailed("c", PortableError("ConfigError", "bad", None, True))
+    host.encoder_pool.shutdown()
 
 
 def test_the_engine_process_profiles_busy_steps_on_request(model_cache, tmp_path, monkeypatch):
@@ -247,7 +256,6 @@ def test_the_engine_process_profiles_busy_steps_on_request(model_cache, tmp_path
     engine process (how the served step is diagnosed on a GPU)."""
     from engine import EngineConfig
     from service.config import ServiceSettings
-    from service.engine_process import EngineSpec
 
     out = tmp_path / "profile.txt"
     monkeypatch.delenv("CLONECAST_PROFILE", raising=False)
@@ -260,7 +268,7 @@ def test_the_engine_process_profiles_busy_steps_on_request(model_cache, tmp_path
     monkeypatch.setenv("CLONECAST_PROFILE", f"0,3,{out},python,200")
     assert ServiceSettings.from_env().profile == (0, 3, str(out), "python", 200)
     spec = EngineSpec(None, EngineConfig(device="cpu"), cache_dir=model_cache, profile=profile)
-    process = EngineProcess(spec)
+    process = EngineClient.in_process(spec)
     process.start()
     try:
         finished = threading.Event()
@@ -284,9 +292,10 @@ def test_after_stop_requests_fail_clearly_and_stop_again_is_harmless(model_cache
     """stop() releases the queues to the engine process (their semaphores go with them): a
     request, an abort or an encode afterwards never touches them; stopping twice is fine."""
     from engine import EngineConfig
-    from service.engine_process import EngineSpec
 
-    process = EngineProcess(EngineSpec(None, EngineConfig(device="cpu"), cache_dir=model_cache))
+    process = EngineClient.in_process(
+        EngineSpec(None, EngineConfig(device="cpu"), cache_dir=model_cache)
+    )
     process.start()
     process.stop()
     assert not process.alive
@@ -315,14 +324,13 @@ def test_a_model_that_cannot_load_fails_start_with_its_error(tmp_path):
     """A bad CLONECAST_MODEL: start() raises the loader's own error (a ConfigError naming
     the path, rebuilt from the engine process) and leaves no engine process behind."""
     from engine import EngineConfig
-    from service.engine_process import EngineSpec
 
     missing = tmp_path / "no-such-checkpoint"
-    process = EngineProcess(EngineSpec(str(missing), EngineConfig(device="cpu")))
+    process = EngineClient.in_process(EngineSpec(str(missing), EngineConfig(device="cpu")))
     with pytest.raises(ConfigError, match="no-such-checkpoint"):
         process.start()
     process.stop()
-    assert not process.alive and process._process.exitcode is not None
+    assert not process.alive and process._transport.process.exitcode is not None
 
 
 def test_a_checkpoint_without_a_codec_is_refused_and_its_engine_stopped(tiny_ckpt):
@@ -334,4 +342,4 @@ def test_a_checkpoint_without_a_codec_is_refused_and_its_engine_stopped(tiny_ckp
     services = Services(ServiceSettings(model=str(tiny_ckpt), device="cpu"))
     with pytest.raises(ConfigError, match="needs a codec"):
         services.start()
-    assert isinstance(services.worker, EngineProcess) and not services.worker.alive
+    assert isinstance(services.worker, EngineClient) and not services.worker.alive
