@@ -98,7 +98,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         path = args.codec or tiny_codec_dir(Path(tmp) / "codec", args.hf_init)
-        codec = Codec.load(path, torch.device(args.device), torch.float32, 1 << 26)
+        codec = Codec.load(path, torch.device(args.device), 1 << 26)
     if args.audio:
         frames = list(codec.encode_file(args.audio.read_bytes(), AudioLimits())[0])
     else:

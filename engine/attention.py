@@ -186,14 +186,14 @@ class TritonAttention(_StoreThenAttend):
 
     def _decode_knobs(self) -> dict:
         """Tiles of decode-only one-pass launches: with `prefetch_pages`, 32 keys a tile and
-        page ids read a tile ahead, so the K/V loads are pipelined (H200 sweep at batch 64 x
-        400: 40.0 us against 63.7 with 64-key tiles without it; docs/PERFORMANCE.md)."""
+        page ids read a tile ahead, so the K/V loads are pipelined (the H200 sweep's best for
+        decode; docs/perf-log/)."""
         return dict(block_n=32, num_stages=3, prefetch_pages=True) if self.prefetch_pages else {}
 
     def _mixed_knobs(self) -> dict:
         """Tiles of launches with prefill rows: with `prefetch_pages`, the kernel's 64-key
-        tiles with page ids read a tile ahead (H200 sweep, 64 decode rows + a 50-token
-        prefill at a 128-token bound: 51.2 us against 60.5; docs/PERFORMANCE.md)."""
+        tiles with page ids read a tile ahead (the H200 sweep's best for mixed steps;
+        docs/perf-log/)."""
         return dict(block_n=64, num_stages=3, prefetch_pages=True) if self.prefetch_pages else {}
 
     def fuses_decode(self, meta, kv_cache) -> bool:

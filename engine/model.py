@@ -242,14 +242,15 @@ class HiggsModel(nn.Module):
         super().__init__()
         self.config = cfg
         self.ops = TritonOps if plan.fused_ops else TorchOps
+        self.pdl = plan.pdl  # Triton launches use programmatic dependent launch
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         if plan.few_row_gemm_rows:
             if not plan.fused_ops:
                 raise ValueError("the few-row GEMM needs the fused (Triton) ops")
-            # int32 zeros on the model's device, shared by every launch (each leaves them zero)
-            counters = torch.zeros(4096, dtype=torch.int32)
+            # int32 zeros on the weights' device, shared by every launch (each leaves them 0)
+            device = self.embed_tokens.weight.device
+            counters = torch.zeros(4096, dtype=torch.int32, device=device)
             self.ops = SkinnyGemmOps(plan.few_row_gemm_rows, counters, tma=plan.few_row_gemm_tma)
-        self.pdl = plan.pdl  # Triton launches use programmatic dependent launch
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.audio_embed = nn.Embedding(cfg.num_codebooks * cfg.codebook_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

@@ -3,7 +3,7 @@ launch modes, the few-row GEMM, CUDA graphs, the codec's numerics and layout), r
 from the configuration and the device and handed to the model, the attention backend, the
 runner and the codec in their constructors. `EngineConfig` says what to serve; the plan says
 how. Every field gives the same results within rounding; the measured reasons for each
-default are in docs/PERFORMANCE.md.
+default are in docs/perf-log/.
 
 `EngineConfig.plan_overrides` may set any field but the graph switches (which follow
 `enforce_eager`): absent means "wherever it applies", a feature forced on where it cannot
@@ -70,7 +70,7 @@ def check_overrides(overrides: Mapping[str, object], device: str) -> None:
     for name, value in overrides.items():
         _check_type(name, value)
     o = overrides
-    cpu = device == "cpu"
+    cpu = device.split(":")[0] != "cuda"  # what needs a GPU needs CUDA: not cpu, not mps
     backend = o.get("attention_backend")
     fused = o.get("fused_ops", not cpu)
     rows, tma = o.get("few_row_gemm_rows"), o.get("few_row_gemm_tma")
@@ -146,6 +146,10 @@ def resolve(config, model_config, device) -> ExecutionPlan:
     backend = o.get("attention_backend", "triton" if cuda else "torch")
     fused = o.get("fused_ops", cuda)
     triton = backend == "triton"
+    if o.get("page_prefetch") is True and not triton:
+        raise ConfigError(
+            f"page_prefetch is a setting of the Triton attention backend, not {backend}"
+        )
     item = resolve_dtype(config.dtype, device).itemsize  # bytes of an activation
     rows = o.get("few_row_gemm_rows", DEFAULT_FEW_ROW_GEMM_ROWS if fused else 0)
     codec_batch = o.get(

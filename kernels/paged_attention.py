@@ -245,7 +245,7 @@ def paged_attention(
     (each tile's page ids read one iteration ahead) are tuning knobs
     (benchmarks/attention_shapes.py); block_n is rounded up to a whole page. A mixed batch is
     one launch: decode rows take a tall tile too (splitting them into a second launch of
-    small tiles was slower on the H200; docs/PERFORMANCE.md)."""
+    small tiles was slower on the H200; docs/perf-log/)."""
     knobs = (block_n, num_warps, num_stages, k_rows, heads_first, prefetch_pages)
     args = (q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale)
     return _launch(*args, max_query_len, out, None, knobs)

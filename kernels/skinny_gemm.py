@@ -2,14 +2,14 @@
 
 At these shapes a projection reads its weight once and does almost no arithmetic: its time
 is the weight's bytes over the memory bandwidth the launch reaches. cuBLAS picks tiles that
-run 80 to 120 blocks on the H200's 132 multiprocessors for the Higgs shapes (Nsight Compute:
-43-69% of the DRAM bandwidth, docs/PERFORMANCE.md) and a separate split-K reduction launch.
+leave many of the H200's 132 multiprocessors idle for the Higgs shapes (Nsight Compute read
+well under the DRAM bandwidth, docs/perf-log/) and add a separate split-K reduction launch.
 Here the grid is (output tiles, K splits), each program streams its `[BN, K / SPLIT]` weight
 slab through a pipelined loop, and the last program of an output tile to finish (counted with
 an atomic) adds the partials in split order, so the result does not depend on which program
-finished last. Measured on the H200 it beats cuBLAS at one row (4 projections of a layer:
-67.7 against 73.6 us with per-thread loads; 65.3 with the TMA sweep's tiles) and not at 64
-rows, so the engine uses it for steps of up to 16 tokens, with TMA tiles on Hopper.
+finished last. Measured on the H200 it beats cuBLAS at one row and not at 64 rows
+(docs/perf-log/), so the engine uses it for steps of up to 16 tokens, with TMA tiles on
+Hopper.
 Tensors in, tensor out; the reference is `F.linear`.
 """
 
@@ -113,7 +113,7 @@ def tma_supported(device, element_size: int, *row_lengths: int) -> bool:
 
 def skinny_tiles(m: int, n: int, k: int, tma: bool = False) -> dict:
     """Default tile settings for an `[m, k] @ [n, k]^T` product, from the H200 sweep at one
-    row (benchmarks/gemm_shapes.py --ours, docs/PERFORMANCE.md). Wide outputs (96+ tiles of
+    row (benchmarks/gemm_shapes.py --ours, docs/perf-log/). Wide outputs (96+ tiles of
     64 weight rows) are not split and stream 256 columns a step; narrow ones with a long K
     are split about every 1,600 columns (tiles of 128 rows from K = 8,192). These rules give
     the sweep's best setting at each Higgs projection (qkv, o, gate-up, down, audio head).
@@ -156,7 +156,7 @@ def skinny_gemm(
     activation folded into the down projection). Tile knobs as `skinny_tiles`, which gives
     the defaults the engine uses; `tma`: tiles fetched by the copy engine (Hopper tensor
     memory access, through tensor descriptors; needs 16-byte aligned rows) instead of
-    per-thread loads (faster on the H200 at 1 to 16 rows, slower at 64: docs/PERFORMANCE.md)."""
+    per-thread loads (faster on the H200 at 1 to 16 rows, slower at 64: docs/perf-log/)."""
     m, k = x.shape[0], weight.shape[1]
     n = weight.shape[0]
     if x.shape[1] != (2 * k if gated else k) or weight.stride(1) != 1 or x.stride(1) != 1:

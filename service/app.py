@@ -218,8 +218,8 @@ def create_app(settings: ServiceSettings | None = None, engine: Engine | None = 
 def uvicorn_options(settings: ServiceSettings) -> dict:
     """How the server runs under uvicorn (the CLI, the benchmarks and the tests use this).
     WebSocket compression is off: PCM and mu-law barely compress, and deflating every audio
-    frame cost the server's event loop about half a second per request at 256 streams (a
-    measured 516 ms between `done` and the client's next request, 5.5 ms without it)."""
+    frame cost the server's event loop about half a second per request at 256 streams
+    (docs/perf-log/)."""
     return {
         "host": settings.host,
         "port": settings.port,

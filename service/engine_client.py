@@ -7,7 +7,7 @@ Why a process: the engine's step is Python as much as GPU work (scheduling, grap
 reading rows back), and in one process it shares the interpreter lock with the server's event
 loop (WebSocket frames, audio encoding, JSON). On the H200 a second thread holding the lock
 30% of the time made the batch-64 step 6% slower, and the served step was 8-10% slower than
-the engine alone (docs/PERFORMANCE.md). The process is spawned (CUDA does not survive a fork).
+the engine alone (docs/perf-log/). The process is spawned (CUDA does not survive a fork).
 
 This is the one place that maps a request to its sink: requests cross under a wire id of
 their own, events are dispatched by it on a reader thread (sinks must only schedule work
@@ -198,6 +198,8 @@ class EngineClient:
                 transport.terminate()
         if self._reader.is_alive():
             self._reader.join(timeout=5)
+        if self._reader.is_alive():  # the engine did not go: nobody waits on it forever
+            self._fail_everything("the engine did not stop")
         with self._lock:  # from here on no command touches the queues
             self._exit_reason = self._exit_reason or "the engine has stopped"
         transport.release()
@@ -247,7 +249,14 @@ class EngineClient:
             self._sinks[wire] = sink
             self._added[wire] = done
             self._transport.commands.put(AddRequest(wire, text, reference, params))
+        done.add_done_callback(lambda f: f.cancelled() and self._drop_sink(wire))
         return done
+
+    def _drop_sink(self, wire: str) -> None:
+        """The caller stopped waiting: its sink is never called (the request is aborted when
+        the engine's answer comes, `_on_added`)."""
+        with self._lock:
+            self._sinks.pop(wire, None)
 
     def abort(self, request_id: str) -> None:
         with self._lock:
@@ -356,6 +365,9 @@ class EngineClient:
         reason = self._transport.exit_reason()
         if not self._stopping:
             log.error("%s: failing the requests in flight", reason)
+        self._fail_everything(reason)
+
+    def _fail_everything(self, reason: str) -> None:
         with self._lock:
             self._exit_reason = reason
             sinks, self._sinks, self._wire = self._sinks, {}, {}

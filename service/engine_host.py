@@ -67,8 +67,7 @@ def settle_garbage_collector() -> None:
     """Once everything is loaded: the start-up objects (model, tokenizer, graphs) move to
     the permanent generation, and young collections run less often. Without this, a full
     collection now and then scans every request's rows and stalls one engine step by several
-    milliseconds (measured on the CPU: a step's row bookkeeping at 256 streams took 7.9 ms
-    with a full collection in it, 0.9 ms without; docs/PERFORMANCE.md)."""
+    milliseconds (docs/perf-log/)."""
     gc.collect()
     gc.freeze()
     gc.set_threshold(20_000, 20, 20)
@@ -136,13 +135,18 @@ class EngineHost:
         self.encoder_pool.shutdown(wait=False, cancel_futures=True)
 
     def serve(self, commands, parent_alive=lambda: True) -> bool:
-        """Applies the server's commands until Stop (False) or until the server is gone (True)."""
+        """Applies the server's commands until Stop (False), until the server is gone (True),
+        or until the engine thread has died (True: whoever waits on it learns it from the
+        end of this loop, the engine process's exit or the engine thread's)."""
         while True:
             try:
                 command = commands.get(timeout=IDLE_POLL_S)
             except queue.Empty:
                 if not parent_alive():  # the server was killed: do not outlive it
                     log.warning("the server process is gone: the engine exits")
+                    return True
+                if not self._thread.is_alive():
+                    log.error("the engine thread has died: the engine exits")
                     return True
                 self.stats.refresh()
                 continue
@@ -182,7 +186,10 @@ class EngineHost:
                 log.exception("engine step failed")
                 self._fail_all(exc)
                 continue
-            self._on_step(time.perf_counter() - t0, self.engine.stats)
+            try:
+                self._on_step(time.perf_counter() - t0, self.engine.stats)
+            except Exception:  # the statistics or the profiler: never the engine's end
+                log.exception("reporting a step failed")
 
     def _drain(self, block: bool) -> None:
         try:
@@ -241,7 +248,10 @@ class EngineHost:
     def _fail_all(self, exc: Exception) -> None:
         error = PortableError.of(exc)
         for wire in sorted(self._live):
-            self.engine.abort(wire)
+            try:
+                self.engine.abort(wire)
+            except Exception:  # its failure is reported all the same
+                log.exception("aborting %s after a failed step failed", wire)
             self.events.put(RequestFailed(wire, error))
         self._live.clear()
 
@@ -264,10 +274,10 @@ def process_main(spec: EngineSpec, commands, events) -> None:
         events.put(LoadFailed(PortableError.of(exc)))
         return
     host = EngineHost(engine, events, spec.profile)
-    host.start()
-    settle_garbage_collector()
-    sys.setswitchinterval(spec.gil_switch_ms / 1000)
     try:
+        host.start()
+        settle_garbage_collector()
+        sys.setswitchinterval(spec.gil_switch_ms / 1000)
         orphaned = host.serve(commands, multiprocessing.parent_process().is_alive)
     finally:
         host.stop()
@@ -280,8 +290,8 @@ def process_main(spec: EngineSpec, commands, events) -> None:
 def thread_main(engine: Engine, commands, events) -> None:
     """An engine of the server's own process, served by the same loop from a thread."""
     host = EngineHost(engine, events)
-    host.start()
     try:
+        host.start()
         host.serve(commands)
     finally:
         host.stop()

@@ -296,7 +296,10 @@ async def _generate(services, job: dict):
         collector, uid,
     )  # fmt: skip
     try:
-        utt.add_segments(job["segments"])
+        try:
+            utt.add_segments(job["segments"])  # checked in _speech_job: refused only by a bug
+        except ConfigError as exc:
+            raise _BadInput("bad_request", str(exc)) from exc
         utt.pump()
         while (item := await collector.queue.get()) is not None:
             if isinstance(item, _BadInput):

@@ -116,7 +116,7 @@ def _ready_message(session: Session, services) -> dict:
             "max_utterances": limits.max_utterances,
             "max_message_bytes": limits.max_message_bytes,
             "max_upload_bytes": limits.max_upload_bytes,
-            "max_reference_seconds": AudioLimits().max_seconds,
+            "max_reference_seconds": int(AudioLimits().max_seconds),
             "idle_timeout_s": limits.idle_timeout_s,
             "max_buffered_audio_bytes": limits.max_buffered_audio_bytes,
         },

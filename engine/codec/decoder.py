@@ -76,7 +76,7 @@ class Conv1d(nn.Conv1d):
 class ConvTranspose1d(nn.ConvTranspose1d):
     """nn.ConvTranspose1d with the same channels-last mode as `Conv1d`. (Running it as one
     GEMM + overlap-add instead was measured on the H200 and was slower at 64 windows; removed,
-    docs/PERFORMANCE.md.)"""
+    docs/perf-log/.)"""
 
     def set_channels_last(self, on: bool) -> None:
         self.register_buffer("weight4", _nhwc_copy(self.weight) if on else None, persistent=False)

@@ -169,6 +169,8 @@ def test_engine_config_good_dtype(dtype):
         {"plan_overrides": {"fused_ops": "yes"}},
         {"plan_overrides": {"graph_buckets": (8, 4)}},
         {"plan_overrides": ["pdl"]},
+        {"plan_overrides": {"fused_ops": True}, "device": "mps"},  # GPU kernels need CUDA
+        {"plan_overrides": {"few_row_gemm_rows": 16}, "device": "cpu:0"},
     ],
 )
 def test_engine_config_other_invalid(kwargs):

@@ -50,3 +50,14 @@ def test_the_engine_builds_its_parts_from_its_plan(tiny_ckpt):
     plain = Engine.from_pretrained(tiny_ckpt, EngineConfig())
     assert isinstance(plain.model.layers[0].self_attn.backend, TorchAttention)
     assert plain.plan == ExecutionPlan()
+
+
+def test_a_triton_setting_without_the_triton_backend_is_refused(tiny_ckpt):
+    import pytest
+
+    from engine import ConfigError
+
+    _, model_config = read_config(tiny_ckpt)
+    config = EngineConfig(plan_overrides={"page_prefetch": True})  # the CPU's backend: torch
+    with pytest.raises(ConfigError, match="Triton attention backend"):
+        resolve(config, model_config, CPU)

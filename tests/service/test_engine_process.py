@@ -343,3 +343,76 @@ def test_a_checkpoint_without_a_codec_is_refused_and_its_engine_stopped(tiny_ckp
     with pytest.raises(ConfigError, match="needs a codec"):
         services.start()
     assert isinstance(services.worker, EngineClient) and not services.worker.alive
+
+
+def _thread_client(model_cache, patch=None):
+    """An engine of this process behind the same client (CLONECAST_ENGINE_PROCESS=0)."""
+    from engine import Engine, EngineConfig
+
+    engine = Engine.from_pretrained(None, EngineConfig(device="cpu"), cache_dir=model_cache)
+    if patch is not None:
+        patch(engine)
+    client = EngineClient.in_thread(engine)
+    client.start()
+    return client
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_an_engine_thread_that_dies_fails_its_requests_and_readiness(model_cache):
+    """Whatever ends the engine's own thread (here a SystemExit out of a step), the engine's
+    command loop ends too: requests in flight fail with an error, `alive` turns false (so
+    `/ready` answers 503) and new requests fail at once instead of waiting forever."""
+
+    def dying_step(engine):
+        def step(emit=None):
+            raise SystemExit("the engine thread ends")
+
+        engine.step = step
+
+    client = _thread_client(model_cache, dying_step)
+    try:
+        seen, got = [], threading.Event()
+
+        def sink(out):
+            seen.append(out)
+            got.set()
+
+        client.submit("r", "a sentence", None, SamplingParams(max_rows=20), sink)
+        assert got.wait(20), "the request in flight was not failed"
+        assert isinstance(seen[-1], RuntimeError) and not client.alive
+        late = client.submit("late", "hi", None, SamplingParams(max_rows=4), sink)
+        with pytest.raises(RuntimeError, match="engine"):
+            late.result(timeout=5)
+    finally:
+        client.stop()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_cancelled_submit_never_reaches_its_sink_even_when_the_engine_ends(model_cache):
+    """The caller stopped waiting before the engine answered (its future cancelled), and the
+    engine ends before its answer: the sink is never called, not even with the error."""
+    release = threading.Event()
+
+    def dies_while_adding(engine):
+        def add_request(*args, **kwargs):
+            release.wait(10)  # the engine has not answered when the caller cancels
+            raise SystemExit("the engine thread ends")
+
+        engine.add_request = add_request
+
+    client = _thread_client(model_cache, dies_while_adding)
+    try:
+        delivered = []
+        future = client.submit(
+            "c", "never heard", None, SamplingParams(max_rows=8), delivered.append
+        )
+        assert future.cancel()
+        release.set()
+        deadline = time.monotonic() + 20
+        while client.alive and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not client.alive
+        time.sleep(0.2)
+        assert delivered == []
+    finally:
+        client.stop()
