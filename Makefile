@@ -4,7 +4,11 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup start test lint gpu-check
+NODE_DEPS := web/node_modules/.installed
+# Commands the tests need and the Debian packages that provide them (command:package)
+SYSTEM_COMMANDS := node:nodejs npm:npm
+
+.PHONY: setup start test lint gpu-check system-deps
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -18,7 +22,24 @@ setup: $(STAMP)
 start: $(STAMP)
 	$(BIN)/clonecast serve
 
-test: $(STAMP)
+# Installs the Debian packages of missing commands when run as root; otherwise says the one
+# command to run. (A command from elsewhere, e.g. a newer Node.js, is used as it is.)
+system-deps:
+	@missing=""; for pair in $(SYSTEM_COMMANDS); do \
+	  command -v $${pair%%:*} >/dev/null || missing="$$missing $${pair#*:}"; done; \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ]; then \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
+	else \
+	  echo "the tests need Debian packages:$$missing; run: sudo apt-get install -y --no-install-recommends$$missing"; exit 1; \
+	fi
+
+$(NODE_DEPS): web/package.json web/package-lock.json
+	@$(MAKE) -s system-deps
+	cd web && npm ci --no-audit --no-fund --loglevel=error
+	touch $(NODE_DEPS)
+
+test: $(STAMP) $(NODE_DEPS)
 	$(BIN)/ruff check engine kernels service tests benchmarks
 	$(BIN)/pytest -q
 

@@ -273,6 +273,9 @@ class _Collector:
     def __init__(self):
         self.queue: asyncio.Queue = asyncio.Queue()
 
+    def on_segment(self, utt, start) -> None:
+        pass  # HTTP audio carries no captions
+
     def on_audio(self, utt, data: bytes, start_frame: int, end_frame: int) -> None:
         self.queue.put_nowait(data)
 

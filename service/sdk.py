@@ -76,6 +76,9 @@ class Utterance:
             8000 if self.format == "mulaw" else client.sample_rate
         )
         self.started: dict | None = None
+        # `segment` messages so far: {"index", "text", "start_ms"}, each before its audio
+        # (the sentence being heard is the last whose start_ms the playback has passed)
+        self.segments: list[dict] = []
         self.done: dict | None = None
         self.error: ClonecastError | None = None
         self._client = client
@@ -406,6 +409,8 @@ class AsyncClient:
             utt.sample_rate = message.get("sample_rate", utt.sample_rate)
         elif kind == "started":
             utt.started = message
+        elif kind == "segment":
+            utt.segments.append(message)
         elif kind == "flushed" and utt._flush_ack is not None and not utt._flush_ack.done():
             utt._flush_ack.set_result(None)
         elif kind in ("done", "cancelled"):

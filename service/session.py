@@ -29,7 +29,7 @@ from service.protocol import (
     parse_voice_id,
 )
 from service.text_segments import SegmentBuffer, split_text
-from service.utterance import State, Utterance
+from service.utterance import SegmentStart, State, Utterance
 from service.wire import pack_audio
 
 log = logging.getLogger("clonecast.session")
@@ -99,6 +99,10 @@ class Session:
             kind, utt, message, frame, audio_bytes = await self.outbox.get()
             if kind == "json":
                 await self.ws.send_text(json.dumps(message))
+                continue
+            if kind == "segment":  # as its audio: never after a cancel or a failure
+                if utt.state not in (State.CANCELLED, State.FAILED):
+                    await self.ws.send_text(json.dumps(message))
                 continue
             utt.buffered_bytes -= len(frame)
             if utt.state in (State.CANCELLED, State.FAILED):
@@ -367,6 +371,16 @@ class Session:
         task.add_done_callback(self.tasks.discard)
 
     # -- the utterances' listener (service/utterance.py) ------------------------------------
+
+    def on_segment(self, utt: Utterance, start: SegmentStart) -> None:
+        message = {
+            "type": "segment",
+            "id": utt.id,
+            "index": start.index,
+            "text": start.text,
+            "start_ms": start.start_frame * FRAME_MS,
+        }
+        self.outbox.put_nowait(("segment", utt, message, b"", 0))
 
     def on_audio(self, utt: Utterance, data: bytes, start_frame: int, end_frame: int) -> None:
         self._queue_audio(utt, data, False, start_frame * FRAME_MS, end_frame * FRAME_MS)

@@ -40,6 +40,23 @@ class Segment:
     finished: bool = False
     reason: str | None = None
     frames: int = 0  # audio frames this segment produced so far
+    announced: bool = False  # its `segment` event went out (before its first audio)
+
+
+@dataclass(frozen=True)
+class SegmentStart:
+    """Segment `index` (its `text`) is heard from `start_frame` of the utterance on."""
+
+    index: int
+    text: str
+    start_frame: int
+
+
+@dataclass(frozen=True)
+class AudioPiece:
+    data: bytes  # encoded in the utterance's output format
+    start_frame: int  # frames [start, end) of the utterance's timeline
+    end_frame: int
 
 
 @dataclass
@@ -70,6 +87,9 @@ class Stats:
 
 class Listener(Protocol):
     """Where an utterance's audio goes (the transport); called on the event loop."""
+
+    def on_segment(self, utt: Utterance, start: SegmentStart) -> None:
+        """A segment's audio begins (sent before it, so captions can follow the speech)."""
 
     def on_audio(self, utt: Utterance, data: bytes, start_frame: int, end_frame: int) -> None:
         """Encoded audio of frames [start, end) of the utterance's timeline."""
@@ -138,8 +158,11 @@ class Utterance:
                 seg.request_id, seg.text, self.voice, self.params, self._sink(seg)
             )
             future.add_done_callback(lambda f, seg=seg: self._submitted(f, seg))
-        for data, start_frame, end_frame in self.next_audio():
-            self._listener.on_audio(self, data, start_frame, end_frame)
+        for item in self.next_audio():
+            if isinstance(item, SegmentStart):
+                self._listener.on_segment(self, item)
+                continue
+            self._listener.on_audio(self, item.data, item.start_frame, item.end_frame)
             if self.state is not State.RUNNING:
                 return  # the listener ended it (a slow reader)
         if self.complete:
@@ -208,10 +231,10 @@ class Utterance:
     def active_request_ids(self) -> list[str]:
         return [s.request_id for s in self.segments if s.request_id and not s.finished]
 
-    def next_audio(self) -> list[tuple[bytes, int, int]]:
-        """Encoded audio that may go out now, in order: (bytes, start frame, end frame) of the
-        segment being heard, frames counted from the start of the utterance."""
-        out = []
+    def next_audio(self) -> list[SegmentStart | AudioPiece]:
+        """What may go out now, in order: the audio of the segment being heard, frames counted
+        from the start of the utterance, each segment's start before its first audio."""
+        out: list[SegmentStart | AudioPiece] = []
         while self.emit_index < len(self.segments):
             seg = self.segments[self.emit_index]
             while seg.chunks:
@@ -219,8 +242,13 @@ class Utterance:
                 seg.frames = chunk.end_frame
                 if chunk.pcm:
                     offset = self.frames_done
+                    if not seg.announced:
+                        seg.announced = True
+                        out.append(SegmentStart(seg.index, seg.text, offset + chunk.start_frame))
                     data = self.encoder.encode(chunk.pcm)
-                    out.append((data, offset + chunk.start_frame, offset + chunk.end_frame))
+                    out.append(
+                        AudioPiece(data, offset + chunk.start_frame, offset + chunk.end_frame)
+                    )
             if not seg.finished:
                 break
             self.frames_done += seg.frames

@@ -213,6 +213,7 @@ class Utt:
     frames: list = field(default_factory=list)  # unpacked binary frames
     done: dict | None = None
     errors: list = field(default_factory=list)
+    segments: list = field(default_factory=list)  # `segment` messages
     other: list = field(default_factory=list)
     kinds: list = field(default_factory=list)  # message types in arrival order
 
@@ -259,6 +260,8 @@ async def collect(
             u.done = data
         elif kind == "error":
             u.errors.append(data)
+        elif kind == "segment":
+            u.segments.append(data)
         else:
             u.other.append(data)
         if hook is not None:

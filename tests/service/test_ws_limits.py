@@ -194,9 +194,11 @@ def test_slow_reader_is_ended_with_slow_consumer(make_server):
     assert str(limit) in err["message"]
     messages = [m for m in before if isinstance(m, dict)]
     assert messages[0] == {"type": "started", "id": "slow", "segments": 1}
-    assert all(m["type"] == "audio" and m["id"] == "slow" for m in messages[1:])
-    assert not any(m["last"] for m in messages[1:])
-    sent = sum(m["bytes"] for m in messages[1:])
+    assert messages[1]["type"] == "segment" and messages[1]["index"] == 0  # its caption
+    audio = messages[2:]
+    assert all(m["type"] == "audio" and m["id"] == "slow" for m in audio)
+    assert not any(m["last"] for m in audio)
+    sent = sum(m["bytes"] for m in audio)
     assert sent < dur * 48000 / 2, "the utterance should have been ended early"
     assert extra == [], "nothing (no done, no audio) follows the slow_consumer error"
     m = wait_engine_idle(server)

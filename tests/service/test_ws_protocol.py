@@ -233,7 +233,9 @@ def test_incremental_append_flush(server):
             assert started == {"type": "started", "id": "inc", "segments": 0}
             # the complete first sentence speaks before any flush
             first_audio, before = await recv_until(ws, "audio", id="inc")
-            assert before == [] and first_audio["seq"] == 0
+            caption = {"type": "segment", "id": "inc", "index": 0, "start_ms": 0}
+            assert before == [{**caption, "text": "The first sentence."}]  # only its caption
+            assert first_audio["seq"] == 0
             first_frame = await ws.recv()
             await ws.send(json.dumps({"type": "append", "id": "inc", "text": "And the second one"}))
             await ws.send(json.dumps({"type": "flush", "id": "inc"}))
@@ -376,3 +378,30 @@ def test_cancel_is_not_held_up_by_a_voice_encode(server):
             return order
 
     assert run(main()) == ["cancelled", "voice.created"]
+
+
+def test_segment_messages_announce_each_sentence_before_its_audio(make_server):
+    """An utterance of several segments: a `segment` message (index, text, where its audio
+    starts in the utterance's timeline) goes out before each segment's first audio frame."""
+    server = make_server(max_segment_chars=24)
+    texts = ["Good morning to you all.", "The weather is fine.", "Bye."]
+
+    async def main():
+        async with open_ws(server.ws) as ws:
+            await ws.send(speak("captions", " ".join(texts), dur=1.2, seed=8))
+            order = []
+
+            async def hook(message):
+                order.append((message["type"], message.get("index"), message.get("start_ms")))
+
+            u = (await collect(ws, ["captions"], hook=hook))["captions"]
+            return u, order
+
+    u, order = run(main())
+    check_complete(u)
+    assert [(s["index"], s["text"]) for s in u.segments] == list(enumerate(texts))
+    frames_each = frames_for(1.2)  # every segment runs to its length cap
+    assert [s["start_ms"] for s in u.segments] == [i * frames_each * 40 for i in range(3)]
+    for seg in u.segments:  # right before the audio message that starts at its start_ms
+        at = order.index(("segment", seg["index"], seg["start_ms"]))
+        assert order[at + 1] == ("audio", None, seg["start_ms"])
