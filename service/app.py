@@ -35,11 +35,13 @@ from service.http_api import (
     metrics,
     ready,
     speech,
+    token_create,
     voice_create,
     voice_delete,
     voice_get,
 )
 from service.metrics import Metrics
+from service.tokens import TokenIssuer
 from service.voices import Voice, VoiceStore, voice_id_for
 from service.ws import stream_endpoint
 
@@ -56,6 +58,8 @@ class Services:
         self.settings = settings
         self.metrics = Metrics()
         self.voices = VoiceStore(settings.limits.max_voices)
+        secret = settings.token_secret.encode() if settings.token_secret else None
+        self.tokens = TokenIssuer(secret)
         self.engine = engine  # in-process engine only
         self.worker: EngineClient | None = None
         self.is_ready = False
@@ -187,6 +191,7 @@ def create_app(settings: ServiceSettings | None = None, engine: Engine | None = 
     routes = [
         WebSocketRoute("/v1/stream", stream_endpoint),
         Route("/v1/audio/speech", speech, methods=["POST"]),
+        Route("/v1/tokens", token_create, methods=["POST"]),
         Route("/v1/voices", voice_create, methods=["POST"]),
         Route("/v1/voices", list_voices, methods=["GET"]),
         Route("/v1/voices/{voice_id}", voice_get, methods=["GET"]),

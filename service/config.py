@@ -9,6 +9,8 @@ variables (all named CLONECAST_*).
 | CLONECAST_CACHE_DIR | where the default model is written (unset: ~/.cache/clonecast) |
 | CLONECAST_HOST, CLONECAST_PORT | bind address (127.0.0.1, 8737) |
 | CLONECAST_API_KEYS | comma-separated keys; unset: no authentication |
+| CLONECAST_TOKEN_SECRET | signs browser tokens (POST /v1/tokens); share it between servers |
+|  | behind one balancer; unset: random per start |
 | CLONECAST_ALLOWED_ORIGINS | comma-separated browser origins; unset: any |
 | CLONECAST_MAX_CONNECTIONS, CLONECAST_MAX_NUM_SEQS | capacity |
 | CLONECAST_EAGER | 1: no CUDA graphs (debugging, comparison) |
@@ -67,7 +69,8 @@ class ServiceSettings:
     cache_dir: Path | None = None
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
-    api_keys: tuple[str, ...] = ()
+    api_keys: tuple[str, ...] = field(default=(), repr=False)  # secrets: never in a log
+    token_secret: str | None = field(default=None, repr=False)
     allowed_origins: tuple[str, ...] = ()
     max_num_seqs: int = 64
     cuda_graphs: bool = True
@@ -96,6 +99,7 @@ class ServiceSettings:
             host=env.get("CLONECAST_HOST", "127.0.0.1"),
             port=int(env.get("CLONECAST_PORT", DEFAULT_PORT)),
             api_keys=_split(env.get("CLONECAST_API_KEYS")),
+            token_secret=env.get("CLONECAST_TOKEN_SECRET") or None,
             allowed_origins=_split(env.get("CLONECAST_ALLOWED_ORIGINS")),
             max_num_seqs=int(env.get("CLONECAST_MAX_NUM_SEQS", 64)),
             cuda_graphs=env.get("CLONECAST_EAGER", "0") not in ("1", "true", "yes"),

@@ -17,6 +17,7 @@ from service.audio_format import wav_header
 from service.auth import extract_key, key_allowed
 from service.protocol import ProtocolError, check_transcript, loads_json, parse_params
 from service.text_segments import split_text
+from service.tokens import DEFAULT_TTL_S, MAX_TTL_S
 from service.utterance import State, Utterance
 
 MEDIA_TYPES = {
@@ -121,6 +122,37 @@ async def voice_create(request: Request) -> Response:
     except ConfigError as exc:
         return error(getattr(exc, "code", "bad_request"), str(exc))
     return JSONResponse({**voice.describe(), "cached": cached}, status_code=200 if cached else 201)
+
+
+async def token_create(request: Request) -> Response:
+    """A short-lived browser token (service/tokens.py) for a backend that holds an API key:
+    body `{"ttl_s": 1..3600 (600), "origin": "https://..." (optional binding)}`."""
+    if not _authorized(request):
+        return error("unauthorized", "a valid API key is required")
+    raw = await _read_body(request, 4096)
+    if raw is None:
+        return error("message_too_large", "the body is limited to 4096 bytes")
+    try:
+        body = loads_json(raw) if raw.strip() else {}
+    except ProtocolError as exc:
+        return error(exc.code, str(exc))
+    if not isinstance(body, dict):
+        return error("bad_json", "the body must be a JSON object")
+    ttl = body.get("ttl_s", DEFAULT_TTL_S)
+    if type(ttl) is not int or not 1 <= ttl <= MAX_TTL_S:
+        return error("bad_parameter", f"ttl_s must be an integer in 1..{MAX_TTL_S}, got {ttl!r}")
+    origin = body.get("origin")
+    if origin is not None and (not isinstance(origin, str) or "://" not in origin):
+        return error("bad_parameter", "origin must be a page origin such as https://app.example")
+    unknown = sorted(set(body) - {"ttl_s", "origin"})
+    if unknown:
+        return error("bad_parameter", f"unknown field(s) {unknown}; known: ttl_s, origin")
+    token = _services(request).tokens.mint(ttl, origin)
+    return JSONResponse(
+        {"token": token.token, "expires_at": token.expires_at, "ttl_s": ttl, "origin": origin},
+        status_code=201,
+        headers={"Cache-Control": "no-store"},
+    )
 
 
 async def list_voices(request: Request) -> Response:

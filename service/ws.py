@@ -13,6 +13,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from engine import FRAME_MS, SAMPLE_RATE, AudioLimits, StreamConfig
 from service.auth import extract_key, key_allowed, origin_allowed
 from service.session import Session
+from service.tokens import TokenError
 from service.wire import (
     CLOSE_CAPACITY,
     CLOSE_FORBIDDEN,
@@ -38,11 +39,9 @@ async def stream_endpoint(ws: WebSocket) -> None:
         p.strip() for p in ws.headers.get("sec-websocket-protocol", "").split(",") if p.strip()
     ]
     await ws.accept(subprotocol=PROTOCOL if PROTOCOL in offered else None)
-    key = extract_key(ws.headers, ws.query_params, offered)
-    if not key_allowed(key, settings.api_keys):
-        return await _refuse(
-            ws, "unauthorized", "a valid API key is required", CLOSE_UNAUTHORIZED, services
-        )
+    refusal = _auth_refusal(ws, offered, services)
+    if refusal is not None:
+        return await _refuse(ws, "unauthorized", refusal, CLOSE_UNAUTHORIZED, services)
     if not origin_allowed(ws.headers.get("origin"), settings.allowed_origins):
         return await _refuse(
             ws, "forbidden_origin", "this origin is not allowed", CLOSE_FORBIDDEN, services
@@ -97,6 +96,20 @@ async def _receive_loop(ws: WebSocket, session: Session, sender: asyncio.Task) -
             await session.on_text(message["text"])
         elif message.get("bytes") is not None:
             await session.on_bytes(message["bytes"])
+
+
+def _auth_refusal(ws: WebSocket, offered: list[str], services) -> str | None:
+    """Why the connection is refused, or None: an API key, or a browser token that is
+    unexpired, signed by this server's secret and (if bound) from its origin."""
+    token = ws.query_params.get("token")
+    if token is not None:
+        try:
+            services.tokens.verify(token, ws.headers.get("origin"))
+        except TokenError as exc:
+            return str(exc)
+        return None
+    key = extract_key(ws.headers, ws.query_params, offered)
+    return None if key_allowed(key, services.settings.api_keys) else "a valid API key is required"
 
 
 def _ready_message(session: Session, services) -> dict:

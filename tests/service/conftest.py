@@ -67,13 +67,19 @@ def make_server(model_cache):
     servers = []
 
     def make(
-        api_keys=(), allowed_origins=(), max_num_seqs=16, engine_process=True, **limits
+        api_keys=(),
+        allowed_origins=(),
+        max_num_seqs=16,
+        engine_process=True,
+        token_secret=None,
+        **limits,
     ) -> RunningServer:
         settings = ServiceSettings(
             device="cpu",
             engine_process=engine_process,
             cache_dir=model_cache,
             api_keys=tuple(api_keys),
+            token_secret=token_secret,
             allowed_origins=tuple(allowed_origins),
             max_num_seqs=max_num_seqs,
             limits=dataclasses.replace(Limits(), **limits),

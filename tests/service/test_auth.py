@@ -169,3 +169,81 @@ def test_http_cors_preflight(origins):
         timeout=30,
     )
     assert r.headers.get("access-control-allow-origin") != "https://evil.example"
+
+
+# -- short-lived browser tokens (POST /v1/tokens, ?token=) ------------------------------------
+
+
+def _mint(server, key: str | None = "k1", **body) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(server.http + "/v1/tokens", json=body, headers=headers, timeout=30)
+
+
+def test_a_token_minted_with_an_api_key_opens_the_socket_without_the_key(keyed):
+    r = _mint(keyed, ttl_s=120)
+    assert r.status_code == 201 and r.headers["cache-control"] == "no-store"
+    body = r.json()
+    assert body["token"].startswith("cct1.") and body["ttl_s"] == 120 and body["origin"] is None
+    assert 100 < body["expires_at"] - __import__("time").time() <= 120
+    _, u = _accepted(f"{keyed.ws}?token={body['token']}", speak_too=True)
+    check_complete(u)
+    assert len(u.payload) == frames_for(1.0) * FRAME_BYTES
+
+
+@pytest.mark.parametrize(
+    "key, body, code, status",
+    [
+        (None, {}, "unauthorized", 401),
+        ("nope", {}, "unauthorized", 401),
+        ("k1", {"ttl_s": 0}, "bad_parameter", 400),
+        ("k1", {"ttl_s": 3601}, "bad_parameter", 400),
+        ("k1", {"ttl_s": "60"}, "bad_parameter", 400),
+        ("k1", {"origin": "app.example"}, "bad_parameter", 400),
+        ("k1", {"scope": "all"}, "bad_parameter", 400),
+    ],
+    ids=[
+        "no-key",
+        "wrong-key",
+        "ttl-0",
+        "ttl-too-long",
+        "ttl-string",
+        "origin-no-scheme",
+        "unknown",
+    ],
+)
+def test_minting_needs_an_api_key_and_sane_fields(keyed, key, body, code, status):
+    r = _mint(keyed, key, **body)
+    assert r.status_code == status and r.json()["error"]["code"] == code
+
+
+def test_expired_forged_and_foreign_tokens_are_unauthorized(keyed, make_server):
+    import time
+
+    token = _mint(keyed, ttl_s=1).json()["token"]
+    prefix, claims, signature = token.split(".")
+    forged = f"{prefix}.{claims}.{signature[:-2]}{'AA' if signature[-2:] != 'AA' else 'BB'}"
+    other = make_server(api_keys=("k1",))  # another server: another secret
+    foreign = _mint(other, ttl_s=120).json()["token"]
+    for bad, why in ((forged, "signature"), (foreign, "signature"), ("cct1.x", "not a")):
+        err, code, _ = _refused(f"{keyed.ws}?token={bad}")
+        assert (err["code"], code) == ("unauthorized", 4401) and why in err["message"], err
+    time.sleep(1.2)
+    err, code, _ = _refused(f"{keyed.ws}?token={token}")
+    assert (err["code"], code) == ("unauthorized", 4401) and "expired" in err["message"]
+
+
+def test_a_token_bound_to_an_origin_opens_only_from_that_origin(keyed):
+    token = _mint(keyed, ttl_s=120, origin="https://app.example").json()["token"]
+    uri = f"{keyed.ws}?token={token}"
+    _accepted(uri, origin="https://app.example")
+    err, code, _ = _refused(uri, origin="https://evil.example")
+    assert (err["code"], code) == ("unauthorized", 4401) and "origin" in err["message"]
+    err, code, _ = _refused(uri)  # no Origin at all: not the bound page either
+    assert code == 4401
+
+
+def test_servers_sharing_a_token_secret_accept_each_others_tokens(make_server):
+    a = make_server(api_keys=("k1",), token_secret="shared-secret")
+    b = make_server(api_keys=("k1",), token_secret="shared-secret")
+    token = _mint(a, ttl_s=120).json()["token"]
+    _accepted(f"{b.ws}?token={token}")

@@ -30,6 +30,7 @@ def test_the_javascript_sdk_against_a_real_server(make_server, tmp_path):
         **os.environ,
         "CLONECAST_URL": plain.ws,
         "CLONECAST_AUTH_URL": keyed.ws,
+        "CLONECAST_AUTH_HTTP": keyed.http,
         "CLONECAST_KEY": "js-test-key",
         "CLONECAST_REFERENCE": str(reference),
     }

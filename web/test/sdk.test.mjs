@@ -169,3 +169,19 @@ test("helpers: the audio frame header and a WAV for download", () => {
   assert.equal(new DataView(wav.buffer).getUint32(24, true), 16000);
   assert.equal(wav.byteLength, 48);
 });
+
+test("a browser token from POST /v1/tokens opens the socket; a forged one is unauthorized", async () => {
+  const minted = await fetch(`${process.env.CLONECAST_AUTH_HTTP}/v1/tokens`, {
+    method: "POST",
+    headers: { Authorization: `Bearer ${KEY}`, "Content-Type": "application/json" },
+    body: JSON.stringify({ ttl_s: 60 }),
+  });
+  assert.equal(minted.status, 201);
+  const { token } = await minted.json();
+  const client = await connect({ url: AUTH_URL, token });
+  await client.ping();
+  client.close();
+  const forged = await connect({ url: AUTH_URL, token: `${token.slice(0, -3)}xyz` }).catch((e) => e);
+  assert.equal(forged.code, "unauthorized");
+  assert.match(forged.detail, /signature/);
+});
