@@ -10,10 +10,10 @@ SYSTEM_COMMANDS := node:nodejs npm:npm
 
 .PHONY: setup start test lint gpu-check system-deps
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml clients/python/pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e clients/python -e '.[dev]'
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -40,9 +40,9 @@ $(NODE_DEPS): web/package.json web/package-lock.json
 	touch $(NODE_DEPS)
 
 test: $(STAMP) $(NODE_DEPS)
-	$(BIN)/ruff check engine kernels service tests benchmarks
+	$(BIN)/ruff check engine kernels service clients tests benchmarks
 	$(BIN)/pytest -q
 
 lint: $(STAMP)
-	$(BIN)/ruff check engine kernels service tests benchmarks
-	$(BIN)/ruff format --check engine kernels service tests benchmarks
+	$(BIN)/ruff check engine kernels service clients tests benchmarks
+	$(BIN)/ruff format --check engine kernels service clients tests benchmarks

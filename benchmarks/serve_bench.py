@@ -81,7 +81,7 @@ def durations(n: int, seed: int) -> list[float]:
 
 
 async def one_request(ws, uid: str, voice_id: str, text: str, seconds: float, seed: int) -> Record:
-    from service.wire import unpack_audio
+    from clonecast_client.wire import unpack_audio
 
     sent = time.perf_counter()
     await ws.send(

@@ -43,6 +43,7 @@ from service.http_api import (
 from service.metrics import Metrics
 from service.tokens import TokenIssuer
 from service.voices import Voice, VoiceStore, voice_id_for
+from service.web_files import WEB_DIR, WebMount
 from service.ws import stream_endpoint
 
 log = logging.getLogger("clonecast.app")
@@ -200,6 +201,8 @@ def create_app(settings: ServiceSettings | None = None, engine: Engine | None = 
         Route("/ready", ready),
         Route("/metrics", metrics),
     ]
+    if WEB_DIR.is_dir():  # the JavaScript SDK and the demo page, below every API route
+        routes.append(WebMount())
     middleware = []
     if settings.allowed_origins:
         middleware.append(

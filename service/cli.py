@@ -14,6 +14,7 @@ import time
 import wave
 from pathlib import Path
 
+from clonecast_client.say import add_say_parser
 from engine import (
     FRAMES_PER_SECOND,
     MAX_ROWS,
@@ -25,7 +26,6 @@ from engine import (
     SamplingParams,
     default_device,
 )
-from service.client_cli import add_say_parser
 from service.config import ServiceSettings
 
 

@@ -15,6 +15,7 @@ import uuid
 
 from starlette.websockets import WebSocket
 
+from clonecast_client.wire import pack_audio
 from engine import FRAME_MS, ConfigError
 from service.protocol import (
     ProtocolError,
@@ -30,7 +31,6 @@ from service.protocol import (
 )
 from service.text_segments import SegmentBuffer, split_text
 from service.utterance import SegmentStart, State, Utterance
-from service.wire import pack_audio
 
 log = logging.getLogger("clonecast.session")
 MAX_CANCELLED_IDS = 256  # per connection: remembered to refuse late appends after a cancel

@@ -10,17 +10,17 @@ import logging
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from engine import FRAME_MS, SAMPLE_RATE, AudioLimits, StreamConfig
-from service.auth import extract_key, key_allowed, origin_allowed
-from service.session import Session
-from service.tokens import TokenError
-from service.wire import (
+from clonecast_client.wire import (
     CLOSE_CAPACITY,
     CLOSE_FORBIDDEN,
     CLOSE_IDLE,
     CLOSE_UNAUTHORIZED,
     PROTOCOL,
 )
+from engine import FRAME_MS, SAMPLE_RATE, AudioLimits, StreamConfig
+from service.auth import extract_key, key_allowed, origin_allowed
+from service.session import Session
+from service.tokens import TokenError
 
 log = logging.getLogger("clonecast.ws")
 STREAM = StreamConfig()  # the service's chunk sizes: the engine's defaults

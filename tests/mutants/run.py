@@ -65,15 +65,17 @@ def apply(tree: Path, mutant: Mutant) -> None:
 
 
 def run_tests(tree: Path, tests: tuple[str, ...]) -> Outcome:
-    env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONDONTWRITEBYTECODE": "1"}
+    path = os.pathsep.join([str(tree), str(tree / "clients" / "python")])
+    env = {**os.environ, "PYTHONPATH": path, "PYTHONDONTWRITEBYTECODE": "1"}
+    imports = "import engine, service, clonecast_client as c"
     where = subprocess.run(
-        [sys.executable, "-c", "import engine, service; print(engine.__file__, service.__file__)"],
+        [sys.executable, "-c", f"{imports}; print(engine.__file__, service.__file__, c.__file__)"],
         cwd=tree,
         env=env,
         capture_output=True,
         text=True,
     ).stdout.split()
-    if len(where) != 2 or not all(Path(p).is_relative_to(tree) for p in where):
+    if len(where) != 3 or not all(Path(p).is_relative_to(tree) for p in where):
         return Outcome("error", 0.0, f"the packages load from elsewhere: {where}")
     t0 = time.monotonic()
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests]

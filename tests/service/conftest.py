@@ -21,9 +21,9 @@ import soundfile as sf
 import uvicorn
 from websockets.asyncio.client import connect
 
+from clonecast_client.wire import unpack_audio
 from service.app import create_app, uvicorn_options
 from service.config import Limits, ServiceSettings
-from service.wire import unpack_audio
 
 LIVE_SERVERS: list = []  # every RunningServer not yet stopped
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import struct
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -284,3 +285,20 @@ def test_streamed_speech_client_that_goes_away_frees_the_engine(server):
         assert next(chunks)
         assert scrape(server)["clonecast_num_requests_running"] == 1
     wait_engine_idle(server, timeout=10)
+
+
+def test_the_javascript_sdk_is_served_and_nothing_else_of_web(server):
+    """/clonecast.js is the SDK file itself (the demo page loads this one copy), typed as
+    JavaScript and revalidated; Node's packages, the tests and the npm manifest are not
+    served; unknown paths stay JSON 404s."""
+    root = Path(__file__).resolve().parents[2]
+    r = httpx.get(server.http + "/clonecast.js", timeout=30)
+    assert r.status_code == 200 and r.content == (root / "web" / "clonecast.js").read_bytes()
+    assert r.headers["content-type"].split(";")[0] in ("text/javascript", "application/javascript")
+    assert (
+        r.headers["cache-control"] == "no-cache"
+        and r.headers["x-content-type-options"] == "nosniff"
+    )
+    for hidden in ("/package.json", "/node_modules/ws/package.json", "/test/sdk.test.mjs"):
+        r = httpx.get(server.http + hidden, timeout=30)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", hidden

@@ -23,3 +23,7 @@ def test_readme_quick_start_runs(server, tmp_path, monkeypatch):
     printed = []
     exec(compile(code, "README.md", "exec"), {"print": printed.append, "__name__": "readme"})
     assert printed and printed[-1]["audio_s"] == 1.0
+    import soundfile as sf
+
+    audio, rate = sf.read(tmp_path / "hello.wav", dtype="int16")  # the WAV it wrote
+    assert rate == 24000 and len(audio) == 24000 and abs(audio).max() > 0

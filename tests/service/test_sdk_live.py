@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from service.sdk import AsyncClient, Client, ClonecastError
+from clonecast_client import AsyncClient, Client, ClonecastError
 from tests.service.conftest import reference_audio, run
 
 ROOT = Path(__file__).resolve().parents[2]

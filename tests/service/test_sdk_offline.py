@@ -15,10 +15,9 @@ from pathlib import Path
 import pytest
 from websockets.asyncio.server import serve
 
-from service.client_cli import add_say_parser, say
-from service.sdk import AsyncClient, ClonecastError
-from service.sdk_sync import Client
-from service.wire import pack_audio
+from clonecast_client import AsyncClient, Client, ClonecastError
+from clonecast_client.say import add_say_parser, say
+from clonecast_client.wire import pack_audio
 
 ROOT = Path(__file__).resolve().parents[2]
 READY = {
@@ -93,7 +92,7 @@ async def start(reply=None) -> tuple[AsyncClient, FakeConnection]:
 
 def test_importing_the_sdk_loads_no_torch_or_starlette():
     code = (
-        "import sys, service.sdk, service.sdk_sync, service.client_cli\n"
+        "import sys, clonecast_client, clonecast_client.say\n"
         "print(sorted(m for m in ('torch', 'numpy', 'starlette') if m in sys.modules))"
     )
     out = subprocess.run(

@@ -65,9 +65,9 @@ def test_kv_cache_dtype_is_passed_to_the_engine(monkeypatch):
 
 def test_the_wire_constants_are_the_engines():
     """The protocol's constants live where clients can import them without the engine
-    (service/wire.py); those that are engine facts must be the engine's."""
+    (clonecast_client/wire.py); those that are engine facts must be the engine's."""
     import engine
-    from service import wire
+    from clonecast_client import wire
 
     assert wire.DEFAULT_SAMPLE_RATE == engine.SAMPLE_RATE
     assert engine.MAX_AUDIO_SECONDS == 81.6 and engine.FRAME_MS == 40

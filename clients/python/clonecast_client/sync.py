@@ -1,6 +1,7 @@
-"""Synchronous clonecast client: `AsyncClient` (service.sdk) run on a private event loop in a
-background thread. Owns only that thread and the blocking calls into it; the protocol lives
-in service.sdk alone. Standard library plus `websockets`; no torch, numpy or starlette.
+"""Synchronous clonecast client: `AsyncClient` (clonecast_client.aio) run on a private event
+loop in a background thread. Owns only that thread and the blocking calls into it; the
+protocol lives in clonecast_client.aio alone. Standard library plus `websockets`; no torch,
+numpy or starlette.
 
     with Client.connect("ws://127.0.0.1:8737/v1/stream", api_key="KEY") as client:
         voice = client.create_voice(Path("me.wav").read_bytes(), "What I say in it.")
@@ -16,7 +17,7 @@ from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-from service.sdk import DEFAULT_URL, AsyncClient, Chunk, ClonecastError, Utterance
+from clonecast_client.aio import DEFAULT_URL, AsyncClient, Chunk, ClonecastError, Utterance
 
 __all__ = ["Client", "SyncUtterance", "ClonecastError", "Chunk"]
 

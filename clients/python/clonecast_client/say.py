@@ -1,8 +1,8 @@
 """`clonecast say`: speak a text through a running clonecast server (docs/protocol.md) into a
 WAV file or to the speakers, written as the audio streams in, with latency on stderr.
 
-A client only: it talks to the server through service.sdk_sync and never imports the engine,
-torch or starlette. service/cli.py wires `add_say_parser` into the `clonecast` command.
+A client only: it talks to the server through clonecast_client.sync and never imports the
+engine, torch or starlette. The server's `clonecast` command adds it (`add_say_parser`).
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import wave
 from pathlib import Path
 from typing import Any
 
-from service.sdk import DEFAULT_URL, ClonecastError
-from service.sdk_sync import Client, SyncUtterance
-from service.wire import DEFAULT_SAMPLE_RATE as SAMPLE_RATE
+from clonecast_client.aio import DEFAULT_URL, ClonecastError
+from clonecast_client.sync import Client, SyncUtterance
+from clonecast_client.wire import DEFAULT_SAMPLE_RATE as SAMPLE_RATE
 
 DEFAULT_OUT = "out/say.wav"
 
@@ -172,3 +172,12 @@ def add_say_parser(subparsers: Any) -> argparse.ArgumentParser:
     sink.add_argument("--play", action="store_true", help="play to the speakers (sounddevice)")
     p.set_defaults(func=say)
     return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`clonecast-say`: the same command for a machine with only the client installed."""
+    parser = argparse.ArgumentParser(prog="clonecast-say", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command")
+    add_say_parser(commands)
+    args = parser.parse_args(["say", *(sys.argv[1:] if argv is None else argv)])
+    return args.func(args)

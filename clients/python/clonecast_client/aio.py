@@ -3,7 +3,7 @@
 Owns the client side of one connection: the handshake, one reader task that routes server
 messages to utterances and pending requests, and the async API. Needs only the standard
 library and `websockets`; it must not import torch, numpy or starlette. The synchronous
-`Client` (service.sdk_sync, a thin wrapper over `AsyncClient`) is re-exported here.
+`Client` is `clonecast_client.sync`, a thin wrapper over `AsyncClient`.
 
     client = await AsyncClient.connect("ws://127.0.0.1:8737/v1/stream", api_key="KEY")
     async with client:
@@ -33,7 +33,7 @@ from typing import Any
 from websockets.asyncio.client import connect as _ws_connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 
-from service.wire import CLOSE_CODES, DEFAULT_SAMPLE_RATE, PROTOCOL, unpack_audio
+from clonecast_client.wire import CLOSE_CODES, DEFAULT_SAMPLE_RATE, PROTOCOL, unpack_audio
 
 DEFAULT_URL = "ws://127.0.0.1:8737/v1/stream"
 
@@ -484,12 +484,3 @@ def _voice_fields(
 def _compact(**fields: Any) -> dict:
     """Drops unset fields rather than sending nulls."""
     return {k: v for k, v in fields.items() if v is not None}
-
-
-def __getattr__(name: str) -> Any:
-    # The sync wrapper imports this module, so it is loaded on first use to avoid a cycle.
-    if name in ("Client", "SyncUtterance"):
-        from service import sdk_sync
-
-        return getattr(sdk_sync, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
