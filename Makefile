@@ -5,8 +5,9 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
 NODE_DEPS := web/node_modules/.installed
-# Commands the tests need and the Debian packages that provide them (command:package)
-SYSTEM_COMMANDS := node:nodejs npm:npm
+# Commands the tests need and the Debian packages that provide them (command:package):
+# Node.js for the JavaScript SDK's tests, Chromium for the browser tests
+SYSTEM_COMMANDS := node:nodejs npm:npm chromium:chromium
 
 .PHONY: setup start test lint gpu-check system-deps
 
@@ -35,11 +36,10 @@ system-deps:
 	fi
 
 $(NODE_DEPS): web/package.json web/package-lock.json
-	@$(MAKE) -s system-deps
 	cd web && npm ci --no-audit --no-fund --loglevel=error
 	touch $(NODE_DEPS)
 
-test: $(STAMP) $(NODE_DEPS)
+test: system-deps $(STAMP) $(NODE_DEPS)
 	$(BIN)/ruff check engine kernels service clients tests benchmarks
 	$(BIN)/pytest -q
 

@@ -17,8 +17,8 @@ API_PREFIXES = ("/v1/", "/health", "/ready", "/metrics")  # the API's own paths
 
 class WebFiles(StaticFiles):
     def lookup_path(self, path: str):
-        first = path.strip("/").split("/")[0]
-        if first in _NOT_SERVED or first.startswith("."):
+        first = path.strip("/").split("/")[0]  # "." is the folder itself (its index.html)
+        if first in _NOT_SERVED or (first.startswith(".") and first != "."):
             return "", None
         return super().lookup_path(path)
 

@@ -1,0 +1,137 @@
+"""The demo page (web/index.html) driven in headless Chromium (Debian's, through Playwright;
+no browser is ever downloaded) against a real server: it speaks and plays as the audio
+streams, shows the latencies, Stop cancels at once, a bad upload shows its error, the
+untrained-model banner shows, and everything works from the keyboard. Screenshots go to
+artifacts/ (ignored by git)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+ARTIFACTS = ROOT / "artifacts"
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--autoplay-policy=no-user-gesture-required",
+]
+
+
+@pytest.fixture(scope="module")
+def browser():
+    chromium = shutil.which("chromium")
+    assert chromium, "Chromium is needed: run `make test` as root, or apt-get install chromium"
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
+        yield browser
+        browser.close()
+
+
+@pytest.fixture(scope="module")
+def demo_server(make_server):
+    return make_server()
+
+
+@pytest.fixture
+def page(browser, demo_server):
+    context = browser.new_context()
+    page = context.new_page()
+    page.goto(demo_server.http + "/")
+    page.wait_for_function("document.getElementById('untrained').hidden === false")
+    yield page
+    context.close()
+
+
+def _sampling(page, **fields) -> None:
+    """Opens the Sampling controls (as a user would) and sets the given fields."""
+    if not page.evaluate("document.querySelector('details').open"):
+        page.click("summary")
+    for name, value in fields.items():
+        page.fill(f"#{name.replace('_', '-')}", str(value))
+
+
+def _state(page) -> dict:
+    return page.evaluate("() => ({...window.__clonecast})")
+
+
+def _shot(page, name: str) -> None:
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / f"demo-{name}.png"), full_page=True)
+
+
+def test_speak_plays_the_stream_and_shows_its_latency(page):
+    assert "random weights" in page.locator("#untrained").inner_text()
+    assert page.locator("#insecure").is_hidden()  # 127.0.0.1 is a secure context
+    page.fill("#text", "Hello from the browser.")
+    _sampling(page, seed=3, max_duration=2)
+    page.click("#speak")
+    page.wait_for_function("window.__clonecast.state === 'done'", timeout=60000)
+    page.wait_for_function("window.__clonecast.framesPlayed >= window.__clonecast.bytes / 2")
+    state = _state(page)
+    assert state["bytes"] == 2 * 25 * 1920 and state["chunks"] >= 2
+    assert state["framesPlayed"] == state["bytes"] // 2  # every sample reached the speakers
+    assert state["ttfaMs"] > 0 and state["serverTtfaMs"] > 0
+    assert page.locator("#ttfa-client").inner_text().endswith(" ms")
+    assert page.locator("#ttfa-server").inner_text() == f"{state['serverTtfaMs']} ms"
+    assert page.locator("#caption").inner_text() == "Hello from the browser."
+    assert page.locator("#download").is_enabled()
+    _shot(page, "done")
+
+
+def test_stop_cancels_at_once_and_no_audio_follows(page):
+    page.fill("#text", "A long utterance that the listener interrupts.")
+    _sampling(page, max_duration=30)
+    page.click("#speak")
+    page.wait_for_function("window.__clonecast.chunks >= 1", timeout=60000)
+    page.click("#stop")
+    page.wait_for_function("window.__clonecast.state === 'cancelled'", timeout=30000)
+    chunks, played = _state(page)["chunks"], _state(page)["framesPlayed"]
+    page.wait_for_timeout(1500)
+    after = _state(page)
+    assert after["chunks"] == chunks, "audio arrived after the cancel"
+    assert after["framesPlayed"] - played < 24000 * 0.1, "playback went on after Stop"
+    assert after["bytes"] < 30 * 25 * 1920
+    assert page.locator("#speak").is_enabled() and page.locator("#stop").is_disabled()
+
+
+def test_a_bad_upload_shows_the_servers_error_in_words(page, tmp_path):
+    bad = tmp_path / "not-audio.wav"
+    bad.write_bytes(b"this is not audio at all")
+    page.set_input_files("#voice-file", str(bad))
+    page.click("#speak")
+    page.wait_for_function("window.__clonecast.error !== null", timeout=60000)
+    error = page.locator("#error")
+    assert error.is_visible() and "(audio_" in error.inner_text()
+    assert _state(page)["error"]["code"].startswith("audio_")
+    _shot(page, "error")
+
+
+def test_the_page_works_from_the_keyboard_alone(page):
+    page.locator("#text").focus()
+    page.keyboard.press("Control+A")
+    page.keyboard.type("Typed and spoken without a mouse.")
+    page.keyboard.press("Tab")  # the Sampling summary: Enter opens it
+    assert page.evaluate("document.activeElement.tagName") == "SUMMARY"
+    page.keyboard.press("Enter")
+    for _ in range(5):  # Tab to the longest-sentence field and type there
+        page.keyboard.press("Tab")
+    assert page.evaluate("document.activeElement.id") == "max-duration"
+    page.keyboard.press("Control+A")
+    page.keyboard.type("1")
+    for _ in range(10):  # Tab along the form until the Speak button has the focus
+        page.keyboard.press("Tab")
+        if page.evaluate("document.activeElement.id") == "speak":
+            break
+    assert page.evaluate("document.activeElement.id") == "speak"
+    page.keyboard.press("Enter")
+    page.wait_for_function("window.__clonecast.state === 'done'", timeout=60000)
+    assert _state(page)["bytes"] == 25 * 1920
