@@ -13,7 +13,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "artifacts"
+FAKE_MIC = ROOT / "web" / "samples" / "voice.wav"  # what the fake microphone "hears", once
 CHROMIUM_ARGS = [
+    "--use-fake-ui-for-media-stream",  # grants the microphone
+    "--use-fake-device-for-media-stream",
+    f"--use-file-for-fake-audio-capture={FAKE_MIC}%noloop",
     "--no-sandbox",
     "--disable-gpu",
     "--disable-background-networking",
@@ -59,6 +63,18 @@ def _sampling(page, **fields) -> None:
         page.fill(f"#{name.replace('_', '-')}", str(value))
 
 
+def _drawn(page, canvas_id: str) -> bool:
+    """Whether anything was painted on the canvas."""
+    return page.evaluate(
+        """id => {
+            const c = document.getElementById(id);
+            const data = c.getContext("2d").getImageData(0, 0, c.width, c.height).data;
+            return data.some((v, i) => i % 4 === 3 && v > 0);
+        }""",
+        canvas_id,
+    )
+
+
 def _state(page) -> dict:
     return page.evaluate("() => ({...window.__clonecast})")
 
@@ -84,6 +100,11 @@ def test_speak_plays_the_stream_and_shows_its_latency(page):
     assert page.locator("#ttfa-server").inner_text() == f"{state['serverTtfaMs']} ms"
     assert page.locator("#caption").inner_text() == "Hello from the browser."
     assert page.locator("#download").is_enabled()
+    # the timeline: one step per chunk, none late on this fast server, and drawn
+    timeline = state["timeline"]
+    assert len(timeline) == state["chunks"]
+    assert [round(p["audio"] * 24000 * 2) for p in timeline][-1] == state["bytes"]
+    assert _drawn(page, "timeline") and _drawn(page, "waveform")
     _shot(page, "done")
 
 
@@ -106,6 +127,7 @@ def test_stop_cancels_at_once_and_no_audio_follows(page):
 def test_a_bad_upload_shows_the_servers_error_in_words(page, tmp_path):
     bad = tmp_path / "not-audio.wav"
     bad.write_bytes(b"this is not audio at all")
+    page.select_option("#voice-source", "file")
     page.set_input_files("#voice-file", str(bad))
     page.click("#speak")
     page.wait_for_function("window.__clonecast.error !== null", timeout=60000)
@@ -135,3 +157,34 @@ def test_the_page_works_from_the_keyboard_alone(page):
     page.keyboard.press("Enter")
     page.wait_for_function("window.__clonecast.state === 'done'", timeout=60000)
     assert _state(page)["bytes"] == 25 * 1920
+
+
+def test_the_bundled_sample_voice_is_cloned(page):
+    page.select_option("#voice-source", "sample")
+    assert page.locator("#file-fields").is_hidden() and page.locator("#mic-fields").is_hidden()
+    page.fill("#text", "Now in the sample voice.")
+    _sampling(page, seed=5, max_duration=1)
+    page.click("#speak")
+    page.wait_for_function("window.__clonecast.state === 'done'", timeout=60000)
+    state = _state(page)
+    assert state["voiceId"].startswith("v_") and state["bytes"] == 25 * 1920
+
+
+def test_a_voice_recorded_with_the_microphone_is_cloned(page):
+    """The fake microphone plays web/samples/voice.wav once: a few seconds are recorded in an
+    AudioWorklet, sent as a WAV the server decodes, and the clone speaks."""
+    page.select_option("#voice-source", "mic")
+    page.click("#record")
+    page.wait_for_timeout(2500)
+    page.click("#record")
+    page.wait_for_function("window.__clonecast.recordedSeconds > 0")
+    seconds = _state(page)["recordedSeconds"]
+    assert 2.0 <= seconds <= 4.0, seconds
+    assert "s recorded" in page.locator("#recorded").inner_text()
+    page.fill("#text", "Spoken in the recorded voice.")
+    _sampling(page, seed=6, max_duration=1)
+    page.click("#speak")
+    page.wait_for_function("window.__clonecast.state === 'done'", timeout=60000)
+    state = _state(page)
+    assert state["error"] is None and state["voiceId"].startswith("v_")
+    assert state["bytes"] == 25 * 1920
