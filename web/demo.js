@@ -86,6 +86,13 @@ function params() {
 
 async function speak(event) {
   event.preventDefault();
+  if (typing) return; // in type-and-hear mode Enter flushes instead (onKey)
+  await run((c, opts) => c.speak($("text").value, opts));
+}
+
+// One utterance from start to end: the voice, then its audio played as it streams.
+// `open(client, opts)` makes the utterance (a speak, or a stream fed as the user types).
+async function run(open) {
   $("error").hidden = true;
   state.error = null;
   try {
@@ -107,7 +114,7 @@ async function speak(event) {
     $("speak").disabled = true;
     $("download").disabled = true;
     const sent = performance.now();
-    utterance = c.speak($("text").value, opts);
+    utterance = open(c, opts);
     utterance.addEventListener("segment", (e) => {
       state.captions.push(e.segment.text);
       $("caption").textContent = e.segment.text;
@@ -136,7 +143,47 @@ async function speak(event) {
     $("stop").disabled = true;
     $("speak").disabled = false;
     $("download").disabled = received.length === 0;
+    typing = null;
   }
+}
+
+// -- type and hear: each sentence speaks as soon as it is typed, Enter ends -----------------
+
+let typing = null; // {sent: the text already appended, ready: a promise of the utterance}
+
+function onType() {
+  if (!$("type-and-hear").checked) return;
+  const text = $("text").value;
+  if (!typing) {
+    let ready;
+    const started = new Promise((resolve) => { ready = resolve; });
+    typing = { sent: "", started };
+    run((c, opts) => {
+      const utt = c.stream(opts);
+      ready(utt);
+      return utt;
+    });
+  }
+  const session = typing;
+  session.started.then((utt) => {
+    if (typing !== session || !text.startsWith(session.sent)) return; // edits before: kept
+    const more = text.slice(session.sent.length);
+    if (more) {
+      session.sent = text;
+      utt.append(more);
+    }
+  });
+}
+
+function onKey(event) {
+  if (!typing || event.key !== "Enter" || event.shiftKey) return;
+  event.preventDefault();
+  onType(); // what was typed last
+  const session = typing;
+  session.started.then((utt) => {
+    if (session.sent) utt.flush().catch(showError);
+    else utt.cancel();
+  });
 }
 
 async function stop() {
@@ -308,6 +355,8 @@ $("speak-form").addEventListener("submit", speak);
 $("stop").addEventListener("click", stop);
 $("download").addEventListener("click", download);
 $("voice-source").addEventListener("change", showVoiceFields);
+$("text").addEventListener("input", onType);
+$("text").addEventListener("keydown", onKey);
 $("record").addEventListener("click", toggleRecording);
 showVoiceFields();
 ensureClient().catch(showError); // shows the untrained-model banner before the first speak

@@ -141,8 +141,11 @@ def test_the_page_works_from_the_keyboard_alone(page):
     page.locator("#text").focus()
     page.keyboard.press("Control+A")
     page.keyboard.type("Typed and spoken without a mouse.")
-    page.keyboard.press("Tab")  # the Sampling summary: Enter opens it
-    assert page.evaluate("document.activeElement.tagName") == "SUMMARY"
+    for _ in range(3):  # past the type-and-hear checkbox to the Sampling summary
+        page.keyboard.press("Tab")
+        if page.evaluate("document.activeElement.tagName") == "SUMMARY":
+            break
+    assert page.evaluate("document.activeElement.tagName") == "SUMMARY"  # Enter opens it
     page.keyboard.press("Enter")
     for _ in range(5):  # Tab to the longest-sentence field and type there
         page.keyboard.press("Tab")
@@ -188,3 +191,22 @@ def test_a_voice_recorded_with_the_microphone_is_cloned(page):
     state = _state(page)
     assert state["error"] is None and state["voiceId"].startswith("v_")
     assert state["bytes"] == 25 * 1920
+
+
+def test_type_and_hear_speaks_each_sentence_as_it_is_typed(page):
+    """Appended as typed: the first sentence is heard before the text is finished; Enter
+    flushes the rest and ends the utterance."""
+    page.check("#type-and-hear")
+    _sampling(page, seed=9, max_duration=1)
+    page.fill("#text", "")
+    page.locator("#text").focus()
+    page.keyboard.type("First sentence. ", delay=20)
+    page.wait_for_function("window.__clonecast.chunks >= 1", timeout=60000)
+    assert _state(page)["state"] == "speaking"  # heard while the text is still open
+    page.keyboard.type("And the second", delay=20)
+    page.keyboard.press("Enter")
+    page.wait_for_function("window.__clonecast.state === 'done'", timeout=60000)
+    state = _state(page)
+    assert state["captions"] == ["First sentence.", "And the second"]
+    assert state["bytes"] == 2 * 25 * 1920
+    assert page.locator("#text").input_value() == "First sentence. And the second"  # no newline
