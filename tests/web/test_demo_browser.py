@@ -210,3 +210,47 @@ def test_type_and_hear_speaks_each_sentence_as_it_is_typed(page):
     assert state["captions"] == ["First sentence.", "And the second"]
     assert state["bytes"] == 2 * 25 * 1920
     assert page.locator("#text").input_value() == "First sentence. And the second"  # no newline
+
+
+def test_download_saves_what_was_heard_as_a_wav(page, tmp_path):
+    _sampling(page, seed=4, max_duration=1)
+    page.click("#speak")
+    page.wait_for_function("window.__clonecast.state === 'done'", timeout=60000)
+    with page.expect_download() as info:
+        page.click("#download")
+    path = tmp_path / "heard.wav"
+    info.value.save_as(path)
+    import soundfile as sf
+
+    audio, rate = sf.read(path, dtype="int16")
+    assert rate == 24000 and len(audio) == 25 * 960 and abs(audio).max() > 0
+
+
+def test_with_api_keys_the_page_connects_with_a_short_lived_token_only(browser, make_server):
+    """The page never holds an API key: its backend mints a token and puts it in the page's
+    address; without one the page shows the server's refusal."""
+    import httpx
+
+    keyed = make_server(api_keys=("page-key",))
+    minted = httpx.post(
+        keyed.http + "/v1/tokens",
+        json={"ttl_s": 120, "origin": keyed.http},
+        headers={"Authorization": "Bearer page-key"},
+        timeout=30,
+    )
+    token = minted.json()["token"]
+    context = browser.new_context()
+    try:
+        page = context.new_page()
+        page.goto(f"{keyed.http}/?token={token}")
+        page.wait_for_function("document.getElementById('untrained').hidden === false")
+        _sampling(page, seed=2, max_duration=1)
+        page.click("#speak")
+        page.wait_for_function("window.__clonecast.state === 'done'", timeout=60000)
+        refused = context.new_page()
+        refused.goto(keyed.http + "/")
+        refused.wait_for_function("window.__clonecast.error !== null", timeout=30000)
+        assert _state(refused)["error"]["code"] == "unauthorized"
+        assert "(unauthorized)" in refused.locator("#error").inner_text()
+    finally:
+        context.close()
