@@ -254,3 +254,20 @@ def test_with_api_keys_the_page_connects_with_a_short_lived_token_only(browser, 
         assert "(unauthorized)" in refused.locator("#error").inner_text()
     finally:
         context.close()
+
+
+def test_a_narrow_screen_and_the_dark_scheme(browser, demo_server):
+    """At 360 px nothing needs a horizontal scroll; with a dark system scheme the page is
+    dark (its own colours, not the browser's defaults)."""
+    context = browser.new_context(viewport={"width": 360, "height": 740}, color_scheme="dark")
+    try:
+        page = context.new_page()
+        page.goto(demo_server.http + "/")
+        page.wait_for_function("document.getElementById('untrained').hidden === false")
+        assert page.evaluate("document.documentElement.scrollWidth") <= 360
+        background = page.evaluate("getComputedStyle(document.body).backgroundColor")
+        red, green, blue = (int(v) for v in background[4:-1].split(",")[:3])
+        assert red + green + blue < 3 * 64, background
+        _shot(page, "narrow-dark")
+    finally:
+        context.close()

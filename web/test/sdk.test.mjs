@@ -185,3 +185,15 @@ test("a browser token from POST /v1/tokens opens the socket; a forged one is una
   assert.equal(forged.code, "unauthorized");
   assert.match(forged.detail, /signature/);
 });
+
+test("an utterance that hears nothing within its timeout fails with timeout (retryable)", async () => {
+  await withClient(async (client) => {
+    const utt = client.stream({ timeoutMs: 200 }); // never appended to: the server never hears of it
+    const started = Date.now();
+    const error = await utt.wait().then(() => null, (e) => e);
+    assert.equal(error?.code, "timeout");
+    assert.equal(error.retryable, true);
+    assert.ok(Date.now() - started >= 190);
+    await client.ping(); // the connection is fine
+  });
+});
