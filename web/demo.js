@@ -58,9 +58,18 @@ async function ensureClient() {
   return client;
 }
 
+function outputRate() {
+  return Number($("output-rate").value);
+}
+
+// The playback context runs at the output rate asked of the server (24 kHz: the model's own,
+// no resampling anywhere), so the page plays exactly the samples the server sent.
 async function ensureAudio() {
-  if (audio) return audio;
-  const context = new AudioContext({ sampleRate: 24000 }); // the server's rate: no resampling
+  const rate = outputRate();
+  if (audio && audio.rate === rate) return audio;
+  if (audio) await audio.context.close();
+  audio = null;
+  const context = new AudioContext({ sampleRate: rate });
   await context.audioWorklet.addModule("player-worklet.js");
   const node = new AudioWorkletNode(context, "clonecast-player", { outputChannelCount: [1] });
   node.port.onmessage = (event) => show({
@@ -69,7 +78,7 @@ async function ensureAudio() {
     underrunFrames: event.data.underrunFrames,
   });
   node.connect(context.destination);
-  audio = { context, node };
+  audio = { context, node, rate };
   return audio;
 }
 
@@ -98,7 +107,7 @@ async function run(open) {
   try {
     const [c, player] = await Promise.all([ensureClient(), ensureAudio()]);
     await player.context.resume();
-    const opts = { params: params() };
+    const opts = { params: params(), output: { format: "pcm16", sampleRate: outputRate() } };
     const reference = await referenceAudio();
     if (reference) {
       show({ state: "encoding the voice" });
@@ -123,7 +132,7 @@ async function run(open) {
       if (state.ttfaMs === null) show({ ttfaMs: performance.now() - sent });
       const size = chunk.data.byteLength; // (the buffer is transferred to the player below)
       received.push(chunk.data.slice(0));
-      track((performance.now() - sent) / 1000, size / 2 / 24000);
+      track((performance.now() - sent) / 1000, size / 2 / player.rate);
       player.node.port.postMessage({ type: "pcm", pcm: chunk.data }, [chunk.data]);
       show({ chunks: state.chunks + 1, bytes: state.bytes + size });
     }
@@ -201,7 +210,8 @@ function download() {
     pcm.set(new Uint8Array(part), at);
     at += part.byteLength;
   }
-  const url = URL.createObjectURL(new Blob([wavFromPcm16(pcm, 24000)], { type: "audio/wav" }));
+  const wav = wavFromPcm16(pcm, audio?.rate ?? 24000);
+  const url = URL.createObjectURL(new Blob([wav], { type: "audio/wav" }));
   const link = Object.assign(document.createElement("a"), { href: url, download: "clonecast.wav" });
   link.click();
   setTimeout(() => URL.revokeObjectURL(url), 1000);

@@ -271,3 +271,20 @@ def test_a_narrow_screen_and_the_dark_scheme(browser, demo_server):
         _shot(page, "narrow-dark")
     finally:
         context.close()
+
+
+def test_another_output_rate_is_resampled_by_the_server_and_played_at_it(page, tmp_path):
+    _sampling(page, seed=4, max_duration=1)
+    page.select_option("#output-rate", "16000")
+    page.click("#speak")
+    page.wait_for_function("window.__clonecast.state === 'done'", timeout=60000)
+    page.wait_for_function("window.__clonecast.framesPlayed >= 16000")
+    state = _state(page)
+    assert state["bytes"] == 16000 * 2 and state["framesPlayed"] == 16000
+    with page.expect_download() as info:
+        page.click("#download")
+    info.value.save_as(tmp_path / "heard.wav")
+    import soundfile as sf
+
+    audio, rate = sf.read(tmp_path / "heard.wav", dtype="int16")
+    assert rate == 16000 and len(audio) == 16000
