@@ -17,6 +17,7 @@ variables (all named CLONECAST_*).
 | CLONECAST_KV_CACHE_DTYPE | auto (the model's dtype) or fp8: a float8 KV cache, twice the |
 |  | blocks and half the attention reads, lossy (EngineConfig.kv_cache_dtype) |
 | CLONECAST_GIL_SWITCH_MS | thread switch interval once ready, ms (0.5; Python's own: 5) |
+| CLONECAST_LOG_FORMAT | plain (default) or json: the one line logged per ended utterance |
 | CLONECAST_ENGINE_PROCESS | 1 (default): the engine in its own process; 0: a server thread |
 | CLONECAST_PROFILE | `SKIP,STEPS,FILE[,MODE[,MIN_RUNNING]]`: the engine process profiles |
 |  | STEPS steps after SKIP with MIN_RUNNING (1) requests running (MODE torch: operators, |
@@ -77,6 +78,7 @@ class ServiceSettings:
     attention_backend: str = "auto"  # the execution plan's (auto: Triton on CUDA, else torch)
     kv_cache_dtype: str = "auto"  # EngineConfig.kv_cache_dtype (fp8: float8 e4m3, lossy)
     gil_switch_ms: float = 0.5
+    log_format: str = "plain"  # of the per-utterance log line: plain or json
     # The engine in a process of its own (service/engine_client.py): the server's event
     # loop then never holds the interpreter lock the engine's step needs (on the H200 a
     # second thread holding it 30% of the time made the batch-64 step 6% slower).
@@ -106,6 +108,7 @@ class ServiceSettings:
             attention_backend=env.get("CLONECAST_ATTENTION_BACKEND", "auto"),
             kv_cache_dtype=env.get("CLONECAST_KV_CACHE_DTYPE", "auto"),
             gil_switch_ms=_positive_ms(env.get("CLONECAST_GIL_SWITCH_MS", "0.5")),
+            log_format=_log_format(env.get("CLONECAST_LOG_FORMAT", "plain")),
             engine_process=env.get("CLONECAST_ENGINE_PROCESS", "1") not in ("0", "false", "no"),
             profile=_profile(env.get("CLONECAST_PROFILE")),
             limits=Limits(max_connections=int(env.get("CLONECAST_MAX_CONNECTIONS", 256))),
@@ -143,3 +146,9 @@ def _profile(value: str | None) -> tuple[int, int, str, str, int] | None:
             f"and a running count: {value!r}"
         )
     return skip, steps, path, mode, min_running
+
+
+def _log_format(value: str) -> str:
+    if value not in ("plain", "json"):
+        raise ValueError(f"CLONECAST_LOG_FORMAT must be plain or json, got {value!r}")
+    return value

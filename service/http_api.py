@@ -19,6 +19,7 @@ from service.protocol import ProtocolError, check_transcript, loads_json, parse_
 from service.text_segments import split_text
 from service.tokens import DEFAULT_TTL_S, MAX_TTL_S
 from service.utterance import State, Utterance
+from service.utterance_report import UtteranceReport
 
 MEDIA_TYPES = {
     "wav": "audio/wav",
@@ -295,7 +296,14 @@ def _speech_job(body: dict, services) -> dict:
         raise _BadInput(exc.code, str(exc)) from exc
     except ConfigError as exc:
         raise _BadInput("bad_request", str(exc)) from exc
-    return {"segments": segments, "reference": reference, "params": params, "format": fmt}
+    voice_id = voice_name if reference is not None else None
+    return {
+        "segments": segments,
+        "reference": reference,
+        "voice_id": voice_id,
+        "params": params,
+        "format": fmt,
+    }
 
 
 class _Collector:
@@ -309,10 +317,10 @@ class _Collector:
         pass  # HTTP audio carries no captions
 
     def on_audio(self, utt, data: bytes, start_frame: int, end_frame: int) -> None:
-        self.queue.put_nowait(data)
+        self.queue.put_nowait((data, len(data) - utt.encoder.header_bytes))
 
     def on_done(self, utt, tail: bytes) -> None:
-        self.queue.put_nowait(tail)
+        self.queue.put_nowait((tail, len(tail) - utt.encoder.header_bytes))
         self.queue.put_nowait(None)
 
     def on_failed(self, utt, code: str, message: str) -> None:
@@ -330,6 +338,8 @@ async def _generate(services, job: dict):
         uid, job["reference"], job["params"], job["format"], True, services.worker, loop,
         collector, uid,
     )  # fmt: skip
+    utt.voice_id = job["voice_id"]
+    report = UtteranceReport(services.metrics, "http", uid, services.settings.log_format)
     try:
         try:
             utt.add_segments(job["segments"])  # checked in _speech_job: refused only by a bug
@@ -338,8 +348,14 @@ async def _generate(services, job: dict):
         utt.pump()
         while (item := await collector.queue.get()) is not None:
             if isinstance(item, _BadInput):
+                services.metrics.errors.labels(item.code, "http").inc()
+                report.stopped(utt, "error", item.code)
                 raise item
-            yield item
+            data, audio_bytes = item
+            report.audio_sent(utt, audio_bytes, len(data))  # handed to the response now
+            yield data
+        report.done(utt)
     finally:
         if utt.state is State.RUNNING:
             utt.end(State.CANCELLED)
+        report.stopped(utt, "cancelled")  # (nothing if it was reported already)

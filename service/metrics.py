@@ -30,25 +30,32 @@ STEP_BUCKETS = (0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.04, 0.08,
 RTF_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0)
 
 
+TRANSPORTS = ("websocket", "http")  # the `transport` label: how an utterance was asked for
+
+
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         p = "clonecast_"
+        t = ["transport"]
         self.first_audio = Histogram(
             p + "time_to_first_audio_seconds",
             "Request received to first audio byte sent",
+            t,
             buckets=FIRST_AUDIO_BUCKETS,
             registry=r,
         )
         self.e2e = Histogram(
             p + "e2e_request_latency_seconds",
             "Request received to last audio byte sent",
+            t,
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.rtf = Histogram(
             p + "real_time_factor",
             "Generation time over audio duration, per utterance",
+            t,
             buckets=RTF_BUCKETS,
             registry=r,
         )
@@ -73,15 +80,24 @@ class Metrics:
         self._phases = [phase.labels(name) for name in STEP_PHASES]
         self._phases_seen = [0.0] * len(STEP_PHASES)
         self.audio_seconds = Counter(
-            p + "audio_seconds", "Seconds of audio sent to clients", registry=r
+            p + "audio_seconds", "Seconds of audio sent to clients", t, registry=r
         )
         self.underruns = Counter(
-            p + "underruns", "Chunks ready after the audio before them had played", registry=r
+            p + "underruns", "Chunks ready after the audio before them had played", t, registry=r
         )
         self.requests = Counter(
-            p + "request_success", "Finished utterances by reason", ["finished_reason"], registry=r
+            p + "request_success",
+            "Ended utterances by reason: eos, length, cancelled, error",
+            ["finished_reason", "transport"],
+            registry=r,
         )
-        self.errors = Counter(p + "errors", "Errors sent to clients by code", ["code"], registry=r)
+        self.errors = Counter(
+            p + "errors", "Errors sent to clients by code", ["code", "transport"], registry=r
+        )
+        for transport in TRANSPORTS:  # every series exists from the start (at zero)
+            for series in (self.first_audio, self.e2e, self.rtf, self.audio_seconds):
+                series.labels(transport)
+            self.underruns.labels(transport)
         self.engine_up = Gauge(
             p + "engine_up", "1 while the engine (its process or thread) runs, else 0", registry=r
         )

@@ -31,6 +31,7 @@ from service.protocol import (
 )
 from service.text_segments import SegmentBuffer, split_text
 from service.utterance import SegmentStart, State, Utterance
+from service.utterance_report import UtteranceReport
 
 log = logging.getLogger("clonecast.session")
 MAX_CANCELLED_IDS = 256  # per connection: remembered to refuse late appends after a cancel
@@ -59,7 +60,7 @@ class Session:
         self.outbox.put_nowait(("json", None, message, b"", 0))
 
     def send_error(self, code: str, message: str, uid: str | None = None, **extra) -> None:
-        self.services.metrics.errors.labels(code).inc()
+        self.services.metrics.errors.labels(code, "websocket").inc()
         payload = {"type": "error", "code": code, "message": message, **extra}
         if uid is not None:
             payload["id"] = uid
@@ -84,7 +85,7 @@ class Session:
         utt.buffered_bytes += len(frame)
         self.outbox.put_nowait(("audio", utt, header, frame, audio_bytes))
         if already_waiting > self.limits.max_buffered_audio_bytes:
-            self._end(utt, State.FAILED)
+            self._end(utt, State.FAILED, "slow_consumer")
             self.send_error(
                 "slow_consumer",
                 f"more than {self.limits.max_buffered_audio_bytes} "
@@ -94,7 +95,6 @@ class Session:
 
     async def sender(self) -> None:
         """The only writer of the socket: JSON, then each audio frame after its header."""
-        metrics = self.services.metrics
         while True:
             kind, utt, message, frame, audio_bytes = await self.outbox.get()
             if kind == "json":
@@ -109,29 +109,12 @@ class Session:
                 continue  # never send audio after a cancel acknowledgement or a failure
             await self.ws.send_text(json.dumps(message))
             await self.ws.send_bytes(frame)
-            now, stats = time.monotonic(), utt.stats
-            if audio_bytes:
-                if stats.first_audio is None:
-                    stats.first_audio = now
-                    metrics.first_audio.observe(now - stats.started)
-                elif now > stats.first_audio + stats.audio_s:
-                    stats.underruns += 1
-                    metrics.underruns.inc()
-                seconds = audio_bytes / utt.format.bytes_per_sample / utt.format.sample_rate
-                stats.audio_s += seconds
-                stats.chunks += 1
-                stats.bytes += message["bytes"]
-                metrics.audio_seconds.inc(seconds)
+            utt.report.audio_sent(utt, audio_bytes, message["bytes"])
             if message["last"]:
                 self._send_done(utt)
 
     def _send_done(self, utt: Utterance) -> None:
-        stats = utt.stats.as_dict(len(utt.segments))
-        metrics = self.services.metrics
-        metrics.e2e.observe(stats["elapsed_s"])
-        if stats["rtf"] is not None:
-            metrics.rtf.observe(stats["rtf"])
-        metrics.requests.labels(utt.finish_reason).inc()
+        stats = utt.report.done(utt)
         self.send_json({"type": "done", "id": utt.id, "reason": utt.finish_reason, "stats": stats})
 
     # -- incoming ----------------------------------------------------------------------------
@@ -233,7 +216,7 @@ class Session:
             first = False
         utt.text_chars += len(text)
         if utt.text_chars > self.limits.max_text_chars:
-            self._end(utt, State.FAILED)
+            self._end(utt, State.FAILED, "text_too_long")
             raise ProtocolError(
                 "text_too_long",
                 f"an utterance is limited to {self.limits.max_text_chars} characters",
@@ -259,7 +242,7 @@ class Session:
         self._add_checked(utt, self.buffers.pop(utt.id).flush())
         utt.flushed = True
         if not utt.segments:
-            self._end(utt, State.FAILED)
+            self._end(utt, State.FAILED, "empty_text")
             raise ProtocolError("empty_text", "nothing to speak: the utterance has no words", uid)
         self.send_json({"type": "flushed", "id": uid})
         utt.pump()
@@ -292,7 +275,7 @@ class Session:
         try:
             check(texts)
         except ConfigError as exc:
-            self._end(utt, State.FAILED)
+            self._end(utt, State.FAILED, "bad_request")
             raise ProtocolError("bad_request", str(exc), utt.id) from exc
         except BaseException:
             self._end(utt, State.FAILED)
@@ -320,14 +303,17 @@ class Session:
             voice = found.reference
         worker, loop = self.services.worker, self.loop
         utt = Utterance(uid, voice, params, fmt, flushed, worker, loop, self, f"{self.id}/{uid}")
+        utt.voice_id = voice_id
+        log_format = self.services.settings.log_format
+        utt.report = UtteranceReport(self.services.metrics, "websocket", utt.tag, log_format)
         self.utterances[uid] = utt
         return utt
 
     async def _start_when_voiced(self, utt: Utterance, message: dict) -> None:
         try:
             inline = parse_inline_voice(message, self.limits.max_upload_bytes, utt.id)
-        except ProtocolError:
-            self._end(utt, State.FAILED)
+        except ProtocolError as exc:
+            self._end(utt, State.FAILED, exc.code)
             raise
         if inline is None:
             utt.pump()
@@ -343,12 +329,12 @@ class Session:
             if not isinstance(exc, ConfigError):
                 log.exception("inline voice encoding failed")
             if utt.state is State.RUNNING:
-                self._end(utt, State.FAILED)
                 code = (
                     getattr(exc, "code", "bad_request")
                     if isinstance(exc, ConfigError)
                     else "internal"
                 )
+                self._end(utt, State.FAILED, code)
                 self.send_error(
                     code,
                     str(exc) if isinstance(exc, ConfigError) else "voice encoding failed",
@@ -357,7 +343,7 @@ class Session:
             return
         if utt.state is not State.RUNNING:
             return  # cancelled while the voice was encoding
-        utt.voice, utt.ready = voice.reference, True
+        utt.voice, utt.voice_id, utt.ready = voice.reference, voice.voice_id, True
         try:  # the segments so far were checked without the voice (prompt length with it)
             self._checked(utt, utt.check_texts, [seg.text for seg in utt.segments])
         except ProtocolError as exc:
@@ -390,16 +376,16 @@ class Session:
         self._forget(utt)
 
     def on_failed(self, utt: Utterance, code: str, message: str) -> None:
-        self.services.metrics.requests.labels("error").inc()
+        utt.report.stopped(utt, "error", code)
         self._forget(utt)
         self.send_error(code, message, utt.id)
 
-    def _end(self, utt: Utterance, state: State) -> None:
-        """Cancels or fails an utterance: aborts its engine requests, sends nothing more."""
+    def _end(self, utt: Utterance, state: State, code: str | None = None) -> None:
+        """Cancels or fails (with the error's `code`) an utterance: aborts its engine
+        requests, sends nothing more."""
         utt.end(state)
-        self.services.metrics.requests.labels(
-            "error" if state is State.FAILED else "cancelled"
-        ).inc()
+        outcome = "error" if state is State.FAILED else "cancelled"
+        utt.report.stopped(utt, outcome, code)
         self._forget(utt)
 
     def _forget(self, utt: Utterance) -> None:

@@ -132,7 +132,10 @@ class Utterance:
         self.stats = Stats()
         self.text_chars = 0
         self._engine, self._loop, self._listener = engine, loop, listener
+        self.tag = tag
         self._prefix = f"{tag}/{uuid.uuid4().hex[:8]}"  # engine request ids of its segments
+        self.voice_id: str | None = None  # the server's id of its voice, for reports
+        self.report = None  # its transport's UtteranceReport
 
     # -- text --------------------------------------------------------------------------------
 

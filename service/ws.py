@@ -27,7 +27,7 @@ STREAM = StreamConfig()  # the service's chunk sizes: the engine's defaults
 
 
 async def _refuse(ws: WebSocket, code: str, message: str, close_code: int, services) -> None:
-    services.metrics.errors.labels(code).inc()
+    services.metrics.errors.labels(code, "websocket").inc()
     await ws.send_text(json.dumps({"type": "error", "code": code, "message": message}))
     await ws.close(close_code, message[:120])
 

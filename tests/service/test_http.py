@@ -18,6 +18,7 @@ from .conftest import (
     collect,
     frames_for,
     open_ws,
+    recv_until,
     run,
     scrape,
     speak,
@@ -78,7 +79,9 @@ def test_metrics_exposition(server):
     assert r.status_code == 200
     assert r.headers["content-type"].startswith("text/plain")
     text = r.text
-    assert 'clonecast_time_to_first_audio_seconds_bucket{le="0.32"}' in text
+    for transport in ("websocket", "http"):  # 0.32 s is a bucket edge: SLO ratios are exact
+        edge = f'clonecast_time_to_first_audio_seconds_bucket{{le="0.32",transport="{transport}"}}'
+        assert edge in text
     assert 'clonecast_engine_step_seconds_bucket{le="0.04"}' in text
     for name in GAUGES:
         assert f"# TYPE {name} gauge" in text
@@ -117,14 +120,14 @@ def test_metrics_count_a_websocket_utterance(server):
     mid, u = run(main())
     after = scrape(server)
     assert mid["clonecast_websocket_connections"] == before["clonecast_websocket_connections"] + 1
-    first = "clonecast_time_to_first_audio_seconds_count"
+    ws = '{transport="websocket"}'
+    first = "clonecast_time_to_first_audio_seconds_count" + ws
     assert after[first] == before[first] + 1
-    e2e = "clonecast_e2e_request_latency_seconds_count"
+    e2e = "clonecast_e2e_request_latency_seconds_count" + ws
     assert after[e2e] == before[e2e] + 1
-    assert after["clonecast_audio_seconds_total"] == pytest.approx(
-        before["clonecast_audio_seconds_total"] + u.done["stats"]["audio_s"], abs=1e-3
-    )
-    key = 'clonecast_request_success_total{finished_reason="length"}'
+    audio = "clonecast_audio_seconds_total" + ws
+    assert after[audio] == pytest.approx(before[audio] + u.done["stats"]["audio_s"], abs=1e-3)
+    key = 'clonecast_request_success_total{finished_reason="length",transport="websocket"}'
     assert after[key] == before.get(key, 0) + 1
     assert (
         after["clonecast_engine_step_seconds_count"] > before["clonecast_engine_step_seconds_count"]
@@ -302,3 +305,51 @@ def test_the_javascript_sdk_is_served_and_nothing_else_of_web(server):
     for hidden in ("/package.json", "/node_modules/ws/package.json", "/test/sdk.test.mjs"):
         r = httpx.get(server.http + hidden, timeout=30)
         assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", hidden
+
+
+def test_metrics_count_http_speech_too(server):
+    """HTTP speech requests reach the same series as WebSocket utterances, under their own
+    transport label: first audio, end to end, audio seconds, outcome."""
+    before = scrape(server)
+    r = _speech(server, response_format="pcm", seed=5, input="Counted over HTTP.")
+    assert r.status_code == 200
+    after = scrape(server)
+    http = '{transport="http"}'
+    for name in ("time_to_first_audio_seconds_count", "e2e_request_latency_seconds_count"):
+        key = f"clonecast_{name}{http}"
+        assert after[key] == before[key] + 1, name
+    audio = f"clonecast_audio_seconds_total{http}"
+    assert after[audio] == pytest.approx(before[audio] + len(r.content) / 48000, abs=1e-3)
+    key = 'clonecast_request_success_total{finished_reason="length",transport="http"}'
+    assert after[key] == before.get(key, 0) + 1
+    ws = 'clonecast_time_to_first_audio_seconds_count{transport="websocket"}'
+    assert after[ws] == before[ws]  # nothing counted twice
+
+
+def test_one_log_line_per_utterance_without_its_text(server, caplog):
+    """Each ended utterance logs one line (ids, transport, voice, segments, first audio, audio
+    seconds, real-time factor, outcome); never the text it spoke."""
+    import json as json_module
+    import logging
+
+    caplog.set_level(logging.INFO, logger="clonecast.utterances")
+
+    async def main():
+        async with open_ws(server.ws) as ws:
+            await ws.send(speak("logged", "A secret sentence.", dur=0.4, seed=2))
+            await collect(ws, ["logged"])
+            await ws.send(speak("gone", "Another one.", dur=20, seed=3))
+            await recv_until(ws, "audio", id="gone")
+            await ws.send(json_module.dumps({"type": "cancel", "id": "gone"}))
+            await recv_until(ws, "cancelled", id="gone")
+
+    run(main())
+    assert _speech(server, response_format="pcm", seed=1, input="Secret too.").status_code == 200
+    lines = [r.getMessage() for r in caplog.records if r.name == "clonecast.utterances"]
+    assert len(lines) == 3, lines
+    done, cancelled, http = lines
+    assert 'transport="websocket"' in done and 'outcome="length"' in done
+    assert '/logged"' in done and "first_audio_ms=" in done and "audio_s=0.4" in done
+    assert 'outcome="cancelled"' in cancelled and '/gone"' in cancelled
+    assert 'transport="http"' in http and 'outcome="length"' in http
+    assert not any("ecret" in line or "Another" in line for line in lines)

@@ -173,7 +173,8 @@ def test_slow_reader_is_ended_with_slow_consumer(make_server):
         await slow.send(speak("slow", "Talk for a long time.", dur=dur, seed=1))
         # stop reading: wait until the server gives up on the utterance
         deadline = time.monotonic() + 30
-        while scrape(server).get('clonecast_errors_total{code="slow_consumer"}', 0) < 1:
+        slow_consumer = 'clonecast_errors_total{code="slow_consumer",transport="websocket"}'
+        while scrape(server).get(slow_consumer, 0) < 1:
             assert time.monotonic() < deadline, "no slow_consumer while the client is stalled"
             await asyncio.sleep(0.2)
         # still not reading: the engine is free again, nothing grows
