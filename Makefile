@@ -40,9 +40,9 @@ $(NODE_DEPS): web/package.json web/package-lock.json
 	touch $(NODE_DEPS)
 
 test: system-deps $(STAMP) $(NODE_DEPS)
-	$(BIN)/ruff check engine kernels service clients tests benchmarks
+	$(BIN)/ruff check engine kernels service clients grafana tests benchmarks
 	$(BIN)/pytest -q
 
 lint: $(STAMP)
-	$(BIN)/ruff check engine kernels service clients tests benchmarks
-	$(BIN)/ruff format --check engine kernels service clients tests benchmarks
+	$(BIN)/ruff check engine kernels service clients grafana tests benchmarks
+	$(BIN)/ruff format --check engine kernels service clients grafana tests benchmarks
