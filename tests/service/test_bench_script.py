@@ -49,7 +49,11 @@ def test_simulated_server_runs_the_same_protocol(tmp_path, model_cache):
     assert pool["ttfa_mean"] >= 15 * 20  # the simulated step time really paces the engine
     # the server's own figures inside the saturated window (benchmarks/metrics_window.py)
     start = json.loads((tmp_path / "serve_bench.json").read_text())["default"]["2"][0]
-    assert 19 <= start["window_step_ms"] <= start["window_wall_ms"] < 60
+    # A step takes no longer than the wall time per step, up to the window's edges: the
+    # engine reports its step times in batches (every 50 ms), so a window can count a step or
+    # two that ran just outside it (seen: 19.9 ms a step against 19.7 of wall time).
+    assert 19 <= start["window_step_ms"] <= start["window_wall_ms"] * 1.05
+    assert start["window_wall_ms"] < 60
     assert 0 < start["window_rows_per_step"] <= 2
     phases = start["window_phase_ms"]
     assert list(phases) == ["schedule", "launch", "audio", "gpu_wait", "rows"]
