@@ -339,7 +339,9 @@ async def _generate(services, job: dict):
         collector, uid,
     )  # fmt: skip
     utt.voice_id = job["voice_id"]
-    report = UtteranceReport(services.metrics, "http", uid, services.settings.log_format)
+    utt.report = report = UtteranceReport(
+        services.metrics, "http", uid, services.settings.log_format
+    )
     try:
         try:
             utt.add_segments(job["segments"])  # checked in _speech_job: refused only by a bug

@@ -247,3 +247,16 @@ def test_servers_sharing_a_token_secret_accept_each_others_tokens(make_server):
     b = make_server(api_keys=("k1",), token_secret="shared-secret")
     token = _mint(a, ttl_s=120).json()["token"]
     _accepted(f"{b.ws}?token={token}")
+
+
+def test_a_token_request_that_is_not_json_or_too_large_is_refused(keyed):
+    headers = {"Authorization": "Bearer k1", "Content-Type": "application/json"}
+    url = keyed.http + "/v1/tokens"
+    r = httpx.post(url, content=b"{not json", headers=headers, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "bad_json"
+    r = httpx.post(url, content=b"[1]", headers=headers, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "bad_json"
+    r = httpx.post(url, content=b" " * 5000, headers=headers, timeout=30)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "message_too_large"
+    r = httpx.post(url, headers={"Authorization": "Bearer k1"}, timeout=30)  # no body: defaults
+    assert r.status_code == 201 and r.json()["ttl_s"] == 600
