@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 NODE_DEPS := web/node_modules/.installed
 # Commands the tests need and the Debian packages that provide them (command:package):
 # Node.js for the JavaScript SDK's tests, Chromium for the browser tests
-SYSTEM_COMMANDS := node:nodejs npm:npm chromium:chromium
+SYSTEM_COMMANDS := node:nodejs npm:npm chromium:chromium prometheus:prometheus promtool:prometheus
 
 .PHONY: setup start test lint gpu-check system-deps
 

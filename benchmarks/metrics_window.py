@@ -12,7 +12,7 @@ import threading
 import time
 import urllib.request
 
-_LONG_STEP_BUCKET = 'clonecast_engine_step_seconds_bucket{le="0.02"}'
+_STEPS = "clonecast_engine_step_seconds"  # by kind: summed over the kinds here
 
 
 class RunningSampler:
@@ -34,7 +34,8 @@ class RunningSampler:
         while not self._stop.wait(0.1):
             text = urllib.request.urlopen(url).read().decode()
             now = time.perf_counter()
-            steps = rows = inside = under_20ms = math.nan
+            rows = math.nan
+            steps = inside = under_20ms = 0.0
             phases: dict[str, float] = {}
             for line in text.splitlines():
                 value = line.split()[-1] if line and not line.startswith("#") else None
@@ -42,16 +43,16 @@ class RunningSampler:
                     self.values.append((now, float(value)))
                 elif line.startswith("clonecast_num_requests_waiting "):
                     self.waiting.append((now, float(value)))
-                elif line.startswith("clonecast_engine_step_seconds_count "):
-                    steps = float(value)
-                elif line.startswith("clonecast_engine_step_seconds_sum "):
-                    inside = float(value)
+                elif line.startswith(_STEPS + "_count{"):
+                    steps += float(value)
+                elif line.startswith(_STEPS + "_sum{"):
+                    inside += float(value)
                 elif line.startswith("clonecast_engine_rows_total "):
                     rows = float(value)
                 elif line.startswith("clonecast_engine_phase_seconds_total{"):
                     phases[line.split('"')[1]] = float(value)
-                elif line.startswith(_LONG_STEP_BUCKET):
-                    under_20ms = float(value)
+                elif line.startswith(_STEPS + "_bucket{") and 'le="0.02"' in line:
+                    under_20ms += float(value)
             self.counters.append((now, steps, rows, inside, under_20ms, phases))
 
     def stop(self, start: float, end: float) -> tuple[float, float]:

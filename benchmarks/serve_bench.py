@@ -263,7 +263,11 @@ def process_cpu(server_pid: int) -> dict[str, float]:
 def step_stats(port: int) -> tuple[float, float, float]:
     """(seconds in steps, steps, rows sampled) so far, from the server's /metrics."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
-    get = lambda name: float(next(l.split()[-1] for l in text.splitlines() if l.startswith(name)))  # noqa: E731,E741
+
+    def get(name: str) -> float:  # summed over the series' labels (the step's kind)
+        lines = text.splitlines()
+        return sum(float(x.split()[-1]) for x in lines if x.split("{")[0].split(" ")[0] == name)
+
     return (
         get("clonecast_engine_step_seconds_sum"),
         get("clonecast_engine_step_seconds_count"),

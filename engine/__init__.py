@@ -3,7 +3,8 @@
 Public API (everything else in this package is internal):
 - `Engine`: create with `Engine.from_pretrained(path_or_hub_id_or_None, EngineConfig(...))`,
   then `encode_reference`, `add_request`, `abort`, `step`, `has_unfinished`, `rows`,
-  `generate`, `stats`.
+  `generate`, `stats`, `take_observations` (`Observations`: each step's time and
+  `StepShape`, one of `STEP_KINDS`; queue times; codec batch latencies).
 - `EngineConfig`, `SamplingParams`, `VoiceReference`: inputs, validated on construction
 - `ExecutionPlan`: how an engine runs on its device (`Engine.plan`), resolved from the config
   (`NUM_CODEBOOKS`: the width of a reference's code rows).
@@ -45,6 +46,10 @@ _PUBLIC = {
     "Engine": "engine.engine",
     "EngineStats": "engine.stats",
     "STEP_PHASES": "engine.stats",
+    "STEP_KINDS": "engine.stats",
+    "GRAPH_FAMILIES": "engine.stats",
+    "Observations": "engine.stats",
+    "StepShape": "engine.stats",
     "GenerationResult": "engine.engine",
     "RequestOutput": "engine.audio_output",
     "TextChecker": "engine.prompt",

@@ -66,8 +66,10 @@ class AudioOutput:
         self.chunks = chunks  # None: the engine has no codec (codes-only requests)
         self.config = config
         self.streams: dict[str, AudioStream] = {}
-        # submitted batches not read back yet, oldest first, with each window's request
-        self.in_flight: list[tuple[PendingChunks, list[Request]]] = []
+        # submitted batches not read back yet, oldest first, with each window's request and
+        # the time it was submitted
+        self.in_flight: list[tuple[PendingChunks, list[Request], float]] = []
+        self.batch_latencies: list[tuple[float, int]] = []  # (seconds, windows) per batch read
         self.held: dict[str, Request] = {}
 
     def open(self, request_id: str) -> None:
@@ -98,7 +100,7 @@ class AudioOutput:
                     owners.append(request)
         if not windows:
             return set()
-        self.in_flight.append((self.chunks.submit(windows), owners))
+        self.in_flight.append((self.chunks.submit(windows), owners, time.monotonic()))
         return {r.request_id for r in owners}
 
     def collect(self, finish: Callable[[Request, FinishReason], None]) -> list[RequestOutput]:
@@ -107,7 +109,7 @@ class AudioOutput:
         alone with an error (through `finish` when they are still running)."""
         outputs = []
         batches, self.in_flight = self.in_flight, []
-        for pending, owners in batches:
+        for pending, owners, submitted in batches:
             try:
                 decoded_chunks = pending.result()
             except Exception as exc:
@@ -115,11 +117,16 @@ class AudioOutput:
                 error = f"codec read-back failed: {type(exc).__name__}: {exc}"
                 decoded_chunks = [DecodedChunk(w, b"", error) for w in pending.windows]
             now = time.monotonic()
+            self.batch_latencies.append((now - submitted, len(owners)))
             for decoded, request in zip(decoded_chunks, owners, strict=True):
                 event = self._event(decoded, request, now, finish)
                 if event is not None:
                     outputs.append(event)
         return outputs
+
+    def take_batch_latencies(self) -> list[tuple[float, int]]:
+        taken, self.batch_latencies = self.batch_latencies, []
+        return taken
 
     def _event(self, decoded: DecodedChunk, request: Request, now: float, finish):
         w = decoded.window

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.plan import DEFAULT_BUCKETS
+from engine.stats import GRAPH_FAMILIES
 
 log = logging.getLogger("clonecast.graphs")
 
@@ -61,6 +62,7 @@ class CaptureReport:
 def measured_capture(family: str) -> Iterator[CaptureReport]:
     """Times a capture and measures its allocated/reserved memory deltas into a report (the
     caller fills `num_graphs` and `shapes`); logs it at the end."""
+    assert family in GRAPH_FAMILIES, family  # the metrics show each family from the start
     report = CaptureReport(family)
     torch.cuda.synchronize()
     start = time.perf_counter()

@@ -31,7 +31,7 @@ from engine.prompt import AudioRow, TextChecker, build_prompt
 from engine.request import FinishReason, Request
 from engine.runner import ModelRunner, PendingStep, auto_num_kv_blocks
 from engine.scheduler import Scheduler
-from engine.stats import EngineStats, StepCounters
+from engine.stats import READBACK, EngineStats, Observations, StepCounters, StepShape
 from engine.tokenizer import HiggsTokenizer
 
 log = logging.getLogger("clonecast.engine")
@@ -75,7 +75,8 @@ class Engine:
         self.plan = resolve_plan(config, model_config, device)
         log.info("execution plan: %s", self.plan.describe())
         self.tokenizer = HiggsTokenizer(checkpoint)
-        dtype = resolve_dtype(config.dtype, device)
+        self.device, self.dtype = device, resolve_dtype(config.dtype, device)
+        dtype = self.dtype
         backend = make_backend(self.plan)
         self.model, self.codec_keys = load_model(checkpoint, backend, device, dtype, self.plan)
         num_blocks = config.num_kv_blocks or auto_num_kv_blocks(config, self.model, device)
@@ -91,6 +92,8 @@ class Engine:
         self.audio_limits = AudioLimits()
         self.audio = AudioOutput(self.codec.chunks if self.codec else None, config.stream)
         self._counters = StepCounters()
+        self._observed = Observations()
+        self._shape = READBACK  # what the step now running launched
         self._in_flight: PendingStep | None = None
         if is_default:
             log.warning(UNTRAINED_NOTICE)
@@ -214,6 +217,13 @@ class Engine:
         step earlier and are not in the returned list; events keep their order either way. If
         `emit` raises, the step still reads its rows (the engine stays consistent) and the
         exception propagates, with those rows' events lost to the caller."""
+        start, self._shape = time.perf_counter(), READBACK
+        try:
+            return self._step(emit)
+        finally:
+            self._observed.steps.append((time.perf_counter() - start, self._shape))
+
+    def _step(self, emit) -> list[RequestOutput]:
         timing = self._counters.timing
         with timing():
             outputs = self._read_first_if_short_of_blocks()
@@ -246,11 +256,17 @@ class Engine:
             sched = self.scheduler.schedule()
         with self._counters.timing("launch"):
             self._counters.preemptions += len(sched.preempted)
+            self._shape = _shape(sched)
             if not sched.chunks:
                 return None
+            now = time.monotonic()
             for chunk in sched.chunks:
-                if not self.runner.has_request(chunk.request):  # newly admitted: its slot
-                    self.runner.add_request(chunk.request)
+                request = chunk.request
+                if not self.runner.has_request(request):  # newly admitted: its slot
+                    self.runner.add_request(request)
+                if request.first_scheduled_time is None:
+                    request.first_scheduled_time = now
+                    self._observed.queue_seconds.append(now - request.arrival_time)
             launched = self.runner.launch(sched)
             self.scheduler.on_launched(sched)
             self._counters.steps += 1
@@ -371,6 +387,12 @@ class Engine:
         self._drop_ended_in_flight()
         return [results[rid] for rid in ids]
 
+    def take_observations(self) -> Observations:
+        """The observations since the last call (the thread that steps the engine only)."""
+        taken, self._observed = self._observed, Observations()
+        taken.codec_batches = self.audio.take_batch_latencies()
+        return taken
+
     @property
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -400,6 +422,16 @@ def _emit_early(emit, outputs: list[RequestOutput]) -> tuple[list, Exception | N
     except Exception as exc:
         return [], exc
     return [], None
+
+
+def _shape(sched) -> StepShape:
+    """prefill, decode or mixed (READBACK when nothing is launched). A decode chunk feeds one
+    sampled row; a request recomputed after preemption prefills again."""
+    if not sched.chunks:
+        return READBACK
+    decodes = sum(c.num_tokens == 1 and c.start >= c.request.prompt_len for c in sched.chunks)
+    kind = "decode" if decodes == len(sched.chunks) else "mixed" if decodes else "prefill"
+    return StepShape(kind, len(sched.chunks), sched.num_tokens)
 
 
 def default_device() -> str:

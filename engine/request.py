@@ -43,6 +43,7 @@ class Request:
     slot: int | None = None
     num_cached_tokens: int = 0  # prompt positions taken from the prefix cache
     num_preemptions: int = 0
+    first_scheduled_time: float | None = None  # its first step (queue time ends)
     first_row_time: float | None = None
     num_inflight: int = 0  # rows sampled by a launched step and not read back yet (0 or 1)
     prompt_len: int = field(init=False)  # len(prompt), read every step

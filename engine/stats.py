@@ -1,5 +1,7 @@
 """What the engine reports about itself: `EngineStats` (a snapshot, `Engine.stats`), the
-phases its host time per step is split into, and the running totals behind them. No torch."""
+phases its host time per step is split into, the running totals behind them, and the
+observations a histogram needs one by one (`Observations`: what each step launched, how long
+each request queued, how long each codec batch took). No torch."""
 
 from __future__ import annotations
 
@@ -11,6 +13,13 @@ from dataclasses import dataclass, field
 # of the step on the GPU; turning those rows into events (and submitting codec windows).
 STEP_PHASES = ("schedule", "launch", "audio", "gpu_wait", "rows")
 _PHASE_INDEX = {name: i for i, name in enumerate(STEP_PHASES)}
+
+# The families of captured graphs (engine/cuda_graphs.py, engine/codec/codec_graphs.py).
+GRAPH_FAMILIES = ("backbone", "sampler", "codec")
+
+# What a step launched: prompt positions only, one-token decodes only, both, or nothing (the
+# step only read back what earlier steps launched: the last steps of a burst).
+STEP_KINDS = ("prefill", "decode", "mixed", "readback")
 
 
 @dataclass(frozen=True)
@@ -62,3 +71,35 @@ class _Timing:
             self.counters.seconds += elapsed
         else:
             self.counters.phases[self.index] += elapsed
+
+
+@dataclass(frozen=True, slots=True)
+class StepShape:
+    """What one step launched: its kind (STEP_KINDS), requests and token positions."""
+
+    kind: str
+    requests: int
+    tokens: int
+
+
+READBACK = StepShape("readback", 0, 0)
+
+
+@dataclass
+class Observations:
+    """Observations since the engine last handed them over (`Engine.take_observations`):
+    each step's wall time and shape, each newly scheduled request's wait in the queue (from
+    its arrival in the engine), each codec batch's latency (submitted to read back) and its
+    windows."""
+
+    steps: list[tuple[float, StepShape]] = field(default_factory=list)
+    queue_seconds: list[float] = field(default_factory=list)
+    codec_batches: list[tuple[float, int]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.steps or self.queue_seconds or self.codec_batches)
+
+    def extend(self, other: Observations) -> None:
+        self.steps += other.steps
+        self.queue_seconds += other.queue_seconds
+        self.codec_batches += other.codec_batches

@@ -21,142 +21,334 @@ def rate(metric: str, extra: str = "") -> str:
     return f"rate({metric}{{{SEL}{extra}}}[$__rate_interval])"
 
 
+def summed(metric: str, by: str = "", extra: str = "") -> str:
+    """The per-second rate of a counter, summed (by the labels in `by`)."""
+    return f"sum{f' by ({by})' if by else ''} ({rate(metric, extra)})"
+
+
 def quantile(q: float, histogram: str, by: str = "") -> str:
     group = f"le{', ' + by if by else ''}"
     return f"histogram_quantile({q}, sum by ({group}) ({rate(histogram + '_bucket')}))"
 
 
+def quantiles(histogram: str, qs=(0.5, 0.95), by: str = "") -> list[tuple[str, str]]:
+    label = f" {{{{{by}}}}}" if by else ""
+    return [(quantile(q, histogram, by), f"P{round(q * 100)}{label}") for q in qs]
+
+
+def mean(histogram: str) -> str:
+    """The mean of a histogram's observations (nothing while there are none)."""
+    return f"{summed(histogram + '_sum')} / ({summed(histogram + '_count')} > 0)"
+
+
+def gauge(metric: str, how: str = "sum", by: str = "") -> str:
+    return f"{how}{f' by ({by})' if by else ''} ({metric}{{{SEL}}})"
+
+
 def panel(title: str, description: str, unit: str, targets: list[tuple[str, str]], **extra):
-    """A time series panel; `targets`: (PromQL, legend)."""
+    """A time series panel (or `type`); `targets`: (PromQL, legend); `query`: what every
+    target adds (a table's instant query)."""
+    query = extra.pop("query", {})
     return {
-        "type": "timeseries",
+        "type": extra.pop("type", "timeseries"),
         "title": title,
         "description": description,
         "datasource": DS,
         "fieldConfig": {"defaults": {"unit": unit, **extra.pop("defaults", {})}, "overrides": []},
         "targets": [
-            {"datasource": DS, "expr": expr, "legendFormat": legend, "refId": chr(65 + i)}
+            {"datasource": DS, "expr": expr, "legendFormat": legend, "refId": chr(65 + i), **query}
             for i, (expr, legend) in enumerate(targets)
         ],
         **extra,
     }
 
 
-def panels() -> list[dict]:
-    first = "clonecast_time_to_first_audio_seconds"
-    in_time = rate(first + "_bucket", ', le="0.32"')
-    within = f"sum by (transport) ({in_time}) / sum by (transport) ({rate(first + '_count')})"
-    objective = {"thresholds": {"mode": "absolute", "steps": [{"color": "red", "value": None}]}}
+FIRST = "clonecast_time_to_first_audio_seconds"
+OBJECTIVE_S = 0.32  # the first chunk's length: a bucket edge of the first-audio histogram
+
+
+def latency() -> list[dict]:
+    in_time = summed(FIRST + "_bucket", "transport", f', le="{OBJECTIVE_S}"')
+    within = f"{in_time} / {summed(FIRST + '_count', 'transport')}"
+    line = {"thresholds": {"mode": "absolute", "steps": [{"color": "red", "value": None}]}}
     return [
         panel(
             "First audio (P50 / P95 / P99)",
-            "Request received to first audio byte sent, by transport. The objective is 320 ms.",
+            "Request received to first audio byte sent, by transport; the line is 320 ms, the "
+            "first chunk's length (a player that starts then has that long for the next).",
             "s",
-            [
-                (quantile(q, first, "transport"), f"P{int(q * 100)} {{{{transport}}}}")
-                for q in (0.5, 0.95, 0.99)
-            ]
-            + [("vector(0.32)", "objective 320 ms")],
-            defaults=objective,
+            quantiles(FIRST, (0.5, 0.95, 0.99), "transport")
+            + [(f"vector({OBJECTIVE_S})", "320 ms")],
+            defaults=line,
         ),
         panel(
             "Share of utterances with first audio within 320 ms",
-            "Fraction of utterances whose first audio left within the 320 ms objective "
-            "(0.32 s is a bucket edge of the histogram, so this is exact).",
+            "Fraction of utterances whose first audio left within 320 ms (0.32 s is a bucket "
+            "edge of the histogram, so this is exact, not interpolated).",
             "percentunit",
             [(within, "{{transport}}")],
         ),
         panel(
-            "Audio seconds per second",
-            "Seconds of audio sent to clients per second of wall time, by transport.",
-            "none",
-            [(f"sum by (transport) ({rate('clonecast_audio_seconds_total')})", "{{transport}}")],
+            "Queue time (P50 / P95 / P99)",
+            "A request's arrival in the engine to its first scheduled step: waiting for a slot "
+            "or for KV cache blocks. Growing with load means the engine is full.",
+            "s",
+            quantiles("clonecast_queue_time_seconds", (0.5, 0.95, 0.99)),
+        ),
+        panel(
+            "End to end (P50 / P95)",
+            "Request received to last audio byte sent, by transport.",
+            "s",
+            quantiles("clonecast_e2e_request_latency_seconds", by="transport"),
         ),
         panel(
             "Real-time factor (P50 / P95)",
             "Generation time over audio duration per utterance; below 1 is faster than real time.",
             "none",
-            [(quantile(q, "clonecast_real_time_factor"), f"P{int(q * 100)}") for q in (0.5, 0.95)],
+            quantiles("clonecast_real_time_factor"),
+        ),
+    ]
+
+
+def streaming() -> list[dict]:
+    return [
+        panel(
+            "Audio seconds per second",
+            "Seconds of audio sent to clients per second of wall time, by transport.",
+            "none",
+            [(summed("clonecast_audio_seconds_total", "transport"), "{{transport}}")],
         ),
         panel(
-            "Underruns per second",
-            "Chunks that were ready only after the audio before them had finished playing.",
-            "cps",
-            [(f"sum by (transport) ({rate('clonecast_underruns_total')})", "{{transport}}")],
+            "Chunk lead (P1 / P5 / P50)",
+            "How far ahead of a player's playhead each chunk after the first arrived (the "
+            "player starts with the first audio and waits when it runs dry). Near 0: close to "
+            "an underrun; negative: an underrun.",
+            "s",
+            quantiles("clonecast_chunk_lead_seconds", (0.01, 0.05, 0.5), "transport"),
         ),
         panel(
-            "Utterances ended, by reason",
-            "Utterances per second that ended by eos, length, cancelled or error.",
-            "reqps",
+            "Underruns",
+            "Chunks sent after the audio before them had played, per second, and the seconds "
+            "per second a player would have waited out of audio, by transport.",
+            "none",
             [
+                (summed("clonecast_underruns_total", "transport"), "underruns/s {{transport}}"),
                 (
-                    f"sum by (finished_reason) ({rate('clonecast_request_success_total')})",
-                    "{{finished_reason}}",
-                )
+                    summed("clonecast_underrun_seconds_total", "transport"),
+                    "silent s/s {{transport}}",
+                ),
             ],
         ),
         panel(
-            "Errors by code",
-            "Errors sent to clients per second, by their protocol code.",
-            "cps",
-            [(f"sum by (code) ({rate('clonecast_errors_total')})", "{{code}}")],
+            "Utterances ended, by outcome",
+            "Utterances per second by how they ended: eos, length, cancelled (by the client), "
+            "disconnected (the client left first) or error (see errors by code).",
+            "reqps",
+            [(summed("clonecast_request_success_total", "finished_reason"), "{{finished_reason}}")],
         ),
+    ]
+
+
+def engine() -> list[dict]:
+    step = "clonecast_engine_step_seconds"
+    hits, prefill = "clonecast_prefix_cache_hit_tokens_total", "clonecast_prefill_tokens_total"
+    return [
         panel(
             "Requests running and waiting",
             "Engine requests (one per sentence segment) running in the batch and waiting for it.",
             "none",
             [
-                (f"sum(clonecast_num_requests_running{{{SEL}}})", "running"),
-                (f"sum(clonecast_num_requests_waiting{{{SEL}}})", "waiting"),
+                (gauge("clonecast_num_requests_running"), "running"),
+                (gauge("clonecast_num_requests_waiting"), "waiting"),
             ],
         ),
         panel(
-            "Engine step time (P50 / P95)",
-            "Duration of one engine step; each step yields 40 ms of audio per running stream.",
+            "Batch size (mean / P95)",
+            "Requests in each launched engine step.",
+            "none",
+            [(mean("clonecast_engine_batch_size"), "mean")]
+            + quantiles("clonecast_engine_batch_size", (0.95,)),
+        ),
+        panel(
+            "Step time by kind (P50 / P95)",
+            "Duration of one engine step by what it launched: prefill, decode, mixed, or only "
+            "a read-back. A decode step yields 40 ms of audio per stream: it must stay below.",
             "s",
-            [
-                (quantile(q, "clonecast_engine_step_seconds"), f"P{int(q * 100)}")
-                for q in (0.5, 0.95)
-            ],
+            quantiles(step, by="kind"),
+        ),
+        panel(
+            "Host time in steps by phase",
+            "Share of wall time the engine's host spends in each phase of its steps "
+            "(schedule, launch, audio, gpu_wait, rows); gpu_wait is time the GPU is the limit.",
+            "percentunit",
+            [(summed("clonecast_engine_phase_seconds_total", "phase"), "{{phase}}")],
+        ),
+        panel(
+            "Prefill tokens per second",
+            "Prompt positions computed, and those taken from the prefix cache instead.",
+            "none",
+            [(summed(prefill), "computed"), (summed(hits), "prefix-cache hits")],
+        ),
+        panel(
+            "Prefix-cache hit ratio",
+            "Share of prompt positions served by the prefix cache (a voice used again reuses "
+            "its prompt).",
+            "percentunit",
+            [(f"{summed(hits)} / (({summed(hits)} + {summed(prefill)}) > 0)", "hit ratio")],
         ),
         panel(
             "KV cache use",
             "Fraction of the KV cache's blocks in use.",
             "percentunit",
-            [(f"max(clonecast_kv_cache_usage_perc{{{SEL}}})", "used")],
+            [(gauge("clonecast_kv_cache_usage_perc", "max"), "used")],
         ),
         panel(
-            "Graph capture at start-up",
-            "Seconds each graph family (backbone, sampler, codec) took to capture before /ready.",
+            "Preemptions per second",
+            "Requests preempted for want of KV cache blocks (they recompute their prompt).",
+            "none",
+            [(summed("clonecast_preemptions_total"), "preemptions")],
+        ),
+        panel(
+            "Codec batch latency (P50 / P95)",
+            "A codec batch's submission to its audio read back by the engine.",
             "s",
-            [(f"max by (family) (clonecast_graph_capture_seconds{{{SEL}}})", "{{family}}")],
+            quantiles("clonecast_codec_batch_seconds"),
         ),
         panel(
-            "WebSocket connections",
-            "Open WebSocket connections.",
+            "Codec windows per batch",
+            "Mean chunk windows decoded together in one codec batch.",
             "none",
-            [(f"sum(clonecast_websocket_connections{{{SEL}}})", "connections")],
-        ),
-        panel(
-            "Engine up",
-            "1 while the engine (its process or thread) runs; 0 once it has exited.",
-            "none",
-            [(f"min(clonecast_engine_up{{{SEL}}})", "up")],
+            [
+                (
+                    f"{summed('clonecast_codec_windows_total')} / "
+                    f"({summed('clonecast_codec_batch_seconds_count')} > 0)",
+                    "windows per batch",
+                )
+            ],
         ),
     ]
 
 
+def caches() -> list[dict]:
+    hits, misses = "clonecast_voice_cache_hits_total", "clonecast_voice_cache_misses_total"
+    return [
+        panel(
+            "Voice cache",
+            "Reference recordings per second served from the voice cache (hits) or encoded by "
+            "the codec (misses).",
+            "none",
+            [(summed(hits), "hits"), (summed(misses), "misses")],
+        ),
+        panel(
+            "Voice cache hit ratio",
+            "Share of reference recordings whose codes came from the cache.",
+            "percentunit",
+            [(f"{summed(hits)} / (({summed(hits)} + {summed(misses)}) > 0)", "hit ratio")],
+        ),
+        panel(
+            "Graph capture time",
+            "Seconds each graph family (backbone, sampler, codec) took to capture before /ready.",
+            "s",
+            [(gauge("clonecast_graph_capture_seconds", "max", "family"), "{{family}}")],
+        ),
+        panel(
+            "Graph capture memory",
+            "Memory each graph family's captured graphs hold: allocated and reserved.",
+            "bytes",
+            [
+                (
+                    gauge("clonecast_graph_capture_memory_bytes", "max", "family, kind"),
+                    "{{family}} {{kind}}",
+                )
+            ],
+        ),
+    ]
+
+
+def clients() -> list[dict]:
+    return [
+        panel(
+            "WebSocket connections",
+            "Open WebSocket connections.",
+            "none",
+            [(gauge("clonecast_websocket_connections"), "connections")],
+        ),
+        panel(
+            "Connection ends by reason",
+            "WebSocket connections ended per second: the client closed it, the client was lost "
+            "(no close frame, or sending failed), or it idled out.",
+            "cps",
+            [(summed("clonecast_websocket_closes_total", "reason"), "{{reason}}")],
+        ),
+        panel(
+            "Errors by code",
+            "Errors sent to clients per second, by their protocol code (slow_consumer: a client "
+            "that read too slowly).",
+            "cps",
+            [(summed("clonecast_errors_total", "code"), "{{code}}")],
+        ),
+        panel(
+            "Engine up and server restarts",
+            "1 while the engine (its process or thread) runs, 0 once it has exited; and server "
+            "processes started within the interval (a new start time per instance).",
+            "none",
+            [
+                (gauge("clonecast_engine_up", "min"), "engine up"),
+                (
+                    f"sum (changes(process_start_time_seconds{{{SEL}}}[$__rate_interval]))",
+                    "server restarts",
+                ),
+            ],
+        ),
+        panel(
+            "Server memory",
+            "Resident memory of each server process (the engine process is not included).",
+            "bytes",
+            [(gauge("process_resident_memory_bytes", "max", "instance"), "{{instance}}")],
+        ),
+        panel(
+            "Servers",
+            "What each server runs: version, model (untrained: the embedded random model), "
+            "device and dtype.",
+            "none",
+            [
+                (
+                    f"max by (instance, version, model, untrained, device, dtype) "
+                    f"(clonecast_build_info{{{SEL}}})",
+                    "{{instance}}",
+                )
+            ],
+            type="table",
+            query={"instant": True, "format": "table"},
+        ),
+    ]
+
+
+SECTIONS = (
+    ("Latency", latency),
+    ("Streaming", streaming),
+    ("Engine", engine),
+    ("Caches and start-up", caches),
+    ("Clients and health", clients),
+)
+
+
 def dashboard() -> dict:
-    laid = []
-    for i, p in enumerate(panels()):
-        laid.append(
-            {**p, "id": i + 1, "gridPos": {"h": 8, "w": 12, "x": 12 * (i % 2), "y": 8 * (i // 2)}}
-        )
+    laid, y, ids = [], 0, iter(range(1, 1000))
+    for title, make in SECTIONS:
+        row = {"type": "row", "title": title, "id": next(ids), "collapsed": False, "panels": []}
+        laid.append({**row, "gridPos": {"h": 1, "w": 24, "x": 0, "y": y}})
+        y += 1
+        made = make()
+        for i, p in enumerate(made):
+            grid = {"h": 8, "w": 8, "x": 8 * (i % 3), "y": y + 8 * (i // 3)}
+            laid.append({**p, "id": next(ids), "gridPos": grid})
+        y += 8 * -(-len(made) // 3)  # three panels a line
     variable = {"type": "query", "refresh": 2, "includeAll": True, "multi": True, "datasource": DS}
     return {
         "title": "clonecast",
         "uid": "clonecast-overview",
-        "description": "Voice cloning in real time: latency, throughput, streaming, the engine.",
+        "description": "Voice cloning in real time: latency, streaming, engine, caches, clients.",
         "schemaVersion": 39,
         "version": 1,
         "editable": True,
@@ -176,19 +368,22 @@ def dashboard() -> dict:
                     "name": "job",
                     "label": "Job",
                     "query": "label_values(clonecast_engine_up, job)",
-                    "definition": "label_values(clonecast_engine_up, job)",
                 },
                 {
                     **variable,
                     "name": "instance",
                     "label": "Instance",
                     "query": 'label_values(clonecast_engine_up{job=~"$job"}, instance)',
-                    "definition": 'label_values(clonecast_engine_up{job=~"$job"}, instance)',
                 },
             ]
         },
         "panels": laid,
     }
+
+
+def panels() -> list[dict]:
+    """Every panel that queries (rows are only headings)."""
+    return [p for p in dashboard()["panels"] if p["type"] != "row"]
 
 
 def render() -> str:

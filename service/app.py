@@ -25,6 +25,7 @@ from engine import (
     VoiceReference,
     default_device,
 )
+from service import VERSION
 from service.config import ServiceSettings
 from service.engine_client import EngineClient
 from service.engine_host import EngineSpec, settle_garbage_collector
@@ -77,7 +78,7 @@ class Services:
                 logging.getLogger("clonecast").getEffectiveLevel(),
                 self.settings.profile,
             )
-            self.worker = EngineClient.in_process(spec, on_step=self._on_step)
+            self.worker = EngineClient.in_process(spec, on_steps=self.metrics.observe_steps)
         else:
             if self.engine is None:
                 self.engine = Engine.from_pretrained(
@@ -86,7 +87,7 @@ class Services:
                     codec=self.settings.codec,
                     cache_dir=self.settings.cache_dir,
                 )
-            self.worker = EngineClient.in_thread(self.engine, on_step=self._on_step)
+            self.worker = EngineClient.in_thread(self.engine, on_steps=self.metrics.observe_steps)
         self.worker.start()
         info = self.worker.info
         if not info.has_codec:
@@ -94,12 +95,7 @@ class Services:
             raise ConfigError(
                 "the service needs a codec: the checkpoint bundles none; set CLONECAST_CODEC"
             )
-        for report in info.capture_reports:
-            self.metrics.capture_seconds.labels(report.family).set(report.seconds)
-            self.metrics.capture_memory.labels(report.family, "allocated").set(
-                report.allocated_bytes
-            )
-            self.metrics.capture_memory.labels(report.family, "reserved").set(report.reserved_bytes)
+        self.metrics.set_build(VERSION, info, self.model_info()["name"])
 
     def _engine_config(self) -> EngineConfig:
         backend = self.settings.attention_backend
@@ -112,12 +108,6 @@ class Services:
             row_events=False,  # sessions stream audio chunks and finishes only
             plan_overrides={} if backend == "auto" else {"attention_backend": backend},
         )
-
-    def _on_step(self, seconds: float, stats) -> None:
-        self.metrics.step.observe(seconds)
-        self.metrics.count_rows(stats.num_rows_generated)
-        self.metrics.count_phases(stats.phase_seconds_total)
-        self.metrics.update_engine(stats)
 
     async def warm_up(self) -> None:
         """One short request end to end, so the first client does not pay for lazy set-up."""

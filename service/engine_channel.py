@@ -14,6 +14,7 @@ from engine import (
     ConfigError,
     Engine,
     EngineStats,
+    Observations,
     ReferenceAudioError,
     RequestOutput,
     SamplingParams,
@@ -57,6 +58,8 @@ class EngineInfo:
     max_model_len: int
     capture_reports: tuple = ()
     plan: dict | None = None  # the engine's execution plan, described
+    device: str = "cpu"  # e.g. "cuda:0"
+    dtype: str = "float32"  # the model's weights
 
     @classmethod
     def of(cls, engine: Engine) -> EngineInfo:
@@ -67,6 +70,8 @@ class EngineInfo:
             engine.config.max_model_len,
             tuple(engine.capture_reports),
             engine.plan.describe(),
+            str(engine.device),
+            str(engine.dtype).removeprefix("torch."),
         )
 
 
@@ -144,9 +149,10 @@ class Encoded:
 
 @dataclass(frozen=True)
 class Steps:
-    """Step times since the last report, with the statistics after the last of them."""
+    """The observations since the last report (each step's time and shape, queue times, codec
+    batch latencies), with the statistics after the last step."""
 
-    seconds: list[float]
+    observed: Observations
     stats: EngineStats
 
 

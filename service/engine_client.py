@@ -27,7 +27,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from engine import ConfigError, Engine, EngineStats, TextChecker, VoiceReference
+from engine import ConfigError, Engine, EngineStats, Observations, TextChecker, VoiceReference
 from service.engine_channel import (
     AbortRequest,
     Added,
@@ -135,9 +135,12 @@ class EngineClient:
     """`start()` blocks until the engine is loaded, captured and ready (the service calls it
     from a thread pool)."""
 
-    def __init__(self, transport, on_step: Callable[[float, EngineStats], None] | None = None):
+    def __init__(
+        self, transport, on_steps: Callable[[Observations, EngineStats], None] | None = None
+    ):
+        """`on_steps(observed, stats)`: called on the reader thread with each report of steps."""
         self._transport = transport
-        self._on_step = on_step
+        self._on_steps = on_steps
         self._lock = threading.Lock()
         self._wire: dict[str, str] = {}  # request id -> its live wire id
         self._sinks: dict[str, Sink] = {}  # by wire id
@@ -153,12 +156,12 @@ class EngineClient:
         self._check = None
 
     @classmethod
-    def in_process(cls, spec: EngineSpec, on_step=None) -> EngineClient:
-        return cls(_ProcessTransport(spec), on_step)
+    def in_process(cls, spec: EngineSpec, on_steps=None) -> EngineClient:
+        return cls(_ProcessTransport(spec), on_steps)
 
     @classmethod
-    def in_thread(cls, engine: Engine, on_step=None) -> EngineClient:
-        return cls(_ThreadTransport(engine), on_step)
+    def in_thread(cls, engine: Engine, on_steps=None) -> EngineClient:
+        return cls(_ThreadTransport(engine), on_steps)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -318,9 +321,8 @@ class EngineClient:
                     _call(sink, out)
         elif isinstance(message, Steps):
             self._stats = message.stats
-            if self._on_step is not None:
-                for seconds in message.seconds:
-                    self._on_step(seconds, message.stats)
+            if self._on_steps is not None:
+                self._on_steps(message.observed, message.stats)
         elif isinstance(message, Stats):
             self._stats = message.stats
         elif isinstance(message, Added):

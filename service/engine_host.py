@@ -25,7 +25,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine import ConfigError, Engine, EngineConfig, EngineStats, RequestOutput, StepProfiler
+from engine import (
+    ConfigError,
+    Engine,
+    EngineConfig,
+    EngineStats,
+    Observations,
+    RequestOutput,
+    StepProfiler,
+)
 from service.engine_channel import (
     AbortRequest,
     Added,
@@ -74,31 +82,32 @@ def settle_garbage_collector() -> None:
 
 
 class _StatsSender:
-    """Step statistics to the server: batched while busy, at once when the engine goes idle
-    or when they changed without a step (an abort, a voice encode)."""
+    """Step statistics and observations to the server: batched while busy, at once when the
+    engine goes idle or when they changed without a step (an abort, a voice encode)."""
 
     def __init__(self, events, engine: Engine):
         self.events, self.engine = events, engine
         self.lock = threading.Lock()
-        self.seconds: list[float] = []
+        self.observed = Observations()
         self.last_sent = 0.0
         self.last_stats: EngineStats | None = None
 
     def on_step(self, seconds: float, stats: EngineStats) -> None:  # the engine thread
+        observed = self.engine.take_observations()
         with self.lock:
-            self.seconds.append(seconds)
+            self.observed.extend(observed)
             now = time.monotonic()
             idle = not (stats.num_running or stats.num_waiting)
             if idle or now - self.last_sent >= STATS_INTERVAL_S:
-                self.events.put(Steps(self.seconds, stats))
-                self.seconds, self.last_sent, self.last_stats = [], now, stats
+                self.events.put(Steps(self.observed, stats))
+                self.observed, self.last_sent, self.last_stats = Observations(), now, stats
 
     def refresh(self) -> None:  # the command loop, when no command came for a while
         stats = self.engine.stats
         with self.lock:
-            if self.seconds:  # steps not sent yet (the last ones came within the interval)
-                self.events.put(Steps(self.seconds, stats))
-                self.seconds = []
+            if self.observed:  # steps not sent yet (the last ones came within the interval)
+                self.events.put(Steps(self.observed, stats))
+                self.observed = Observations()
             elif stats != self.last_stats:
                 self.events.put(Stats(stats))
             self.last_sent, self.last_stats = time.monotonic(), stats

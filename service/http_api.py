@@ -37,7 +37,13 @@ STATUS = {
 }
 
 
-def error(code: str, message: str, status: int | None = None) -> JSONResponse:
+def error(
+    request: Request, code: str, message: str, status: int | None = None, count: bool = True
+) -> JSONResponse:
+    """An HTTP error in the API's shape, counted in errors_total{code, transport="http"}
+    unless `count` is False (counted where it happened, or a readiness answer)."""
+    if count:
+        _services(request).metrics.errors.labels(code, "http").inc()
     return JSONResponse(
         {"error": {"code": code, "message": message}}, status_code=status or STATUS.get(code, 400)
     )
@@ -47,10 +53,10 @@ async def http_error(request: Request, exc: HTTPException) -> Response:
     """Routing errors (no such path, a method the path does not take) in the API's JSON
     error shape, like every other HTTP error."""
     if exc.status_code == 404:
-        return error("not_found", f"no endpoint {request.url.path}", 404)
+        return error(request, "not_found", f"no endpoint {request.url.path}", 404)
     if exc.status_code == 405:
-        return error("method_not_allowed", f"{request.method} is not allowed here", 405)
-    return error("bad_request", str(exc.detail), exc.status_code)
+        return error(request, "method_not_allowed", f"{request.method} is not allowed here", 405)
+    return error(request, "bad_request", str(exc.detail), exc.status_code)
 
 
 def _services(request: Request):
@@ -74,9 +80,10 @@ async def health(request: Request) -> Response:
 async def ready(request: Request) -> Response:
     services = _services(request)
     if not services.is_ready:
-        return error("not_ready", "the model is loading or warming up")
+        return error(request, "not_ready", "the model is loading or warming up", count=False)
     if not services.worker.alive:
-        return error("not_ready", "the engine stopped; the server needs a restart")
+        msg = "the engine stopped; the server needs a restart"
+        return error(request, "not_ready", msg, count=False)
     plan = services.worker.info.plan  # how the engine runs on its device
     return JSONResponse({"status": "ready", "model": services.model_info(), "plan": plan})
 
@@ -92,12 +99,14 @@ async def metrics(request: Request) -> Response:
 
 async def voice_create(request: Request) -> Response:
     if not _authorized(request):
-        return error("unauthorized", "a valid API key is required")
+        return error(request, "unauthorized", "a valid API key is required")
     services = _services(request)
     limit = services.settings.limits.max_upload_bytes
     body = await _read_body(request, limit * 4 // 3 + 4096)  # base64 in JSON, or raw
     if body is None:
-        return error("message_too_large", f"reference uploads are limited to {limit} bytes")
+        return error(
+            request, "message_too_large", f"reference uploads are limited to {limit} bytes"
+        )
     transcript = request.query_params.get("transcript")
     if request.headers.get("content-type", "").startswith("application/json"):
         try:
@@ -105,23 +114,27 @@ async def voice_create(request: Request) -> Response:
             data = base64.b64decode(payload["audio_b64"], validate=True)
             transcript = payload.get("transcript", transcript)
         except ProtocolError as exc:
-            return error(exc.code, str(exc))
+            return error(request, exc.code, str(exc))
         except (KeyError, TypeError, binascii.Error, ValueError):
             return error(
-                "bad_request", 'send JSON {"audio_b64": ..., "transcript": ...} or a raw audio body'
+                request,
+                "bad_request",
+                'send JSON {"audio_b64": ..., "transcript": ...} or a raw audio body',
             )
     else:
         data = body
     if len(data) > limit:
-        return error("message_too_large", f"reference uploads are limited to {limit} bytes")
+        return error(
+            request, "message_too_large", f"reference uploads are limited to {limit} bytes"
+        )
     try:
         transcript = check_transcript(transcript)
     except ProtocolError as exc:
-        return error(exc.code, str(exc))
+        return error(request, exc.code, str(exc))
     try:
         voice, cached = await services.create_voice(data, transcript)
     except ConfigError as exc:
-        return error(getattr(exc, "code", "bad_request"), str(exc))
+        return error(request, getattr(exc, "code", "bad_request"), str(exc))
     return JSONResponse({**voice.describe(), "cached": cached}, status_code=200 if cached else 201)
 
 
@@ -129,25 +142,29 @@ async def token_create(request: Request) -> Response:
     """A short-lived browser token (service/tokens.py) for a backend that holds an API key:
     body `{"ttl_s": 1..3600 (600), "origin": "https://..." (optional binding)}`."""
     if not _authorized(request):
-        return error("unauthorized", "a valid API key is required")
+        return error(request, "unauthorized", "a valid API key is required")
     raw = await _read_body(request, 4096)
     if raw is None:
-        return error("message_too_large", "the body is limited to 4096 bytes")
+        return error(request, "message_too_large", "the body is limited to 4096 bytes")
     try:
         body = loads_json(raw) if raw.strip() else {}
     except ProtocolError as exc:
-        return error(exc.code, str(exc))
+        return error(request, exc.code, str(exc))
     if not isinstance(body, dict):
-        return error("bad_json", "the body must be a JSON object")
+        return error(request, "bad_json", "the body must be a JSON object")
     ttl = body.get("ttl_s", DEFAULT_TTL_S)
     if type(ttl) is not int or not 1 <= ttl <= MAX_TTL_S:
-        return error("bad_parameter", f"ttl_s must be an integer in 1..{MAX_TTL_S}, got {ttl!r}")
+        return error(
+            request, "bad_parameter", f"ttl_s must be an integer in 1..{MAX_TTL_S}, got {ttl!r}"
+        )
     origin = body.get("origin")
     if origin is not None and (not isinstance(origin, str) or "://" not in origin):
-        return error("bad_parameter", "origin must be a page origin such as https://app.example")
+        return error(
+            request, "bad_parameter", "origin must be a page origin such as https://app.example"
+        )
     unknown = sorted(set(body) - {"ttl_s", "origin"})
     if unknown:
-        return error("bad_parameter", f"unknown field(s) {unknown}; known: ttl_s, origin")
+        return error(request, "bad_parameter", f"unknown field(s) {unknown}; known: ttl_s, origin")
     token = _services(request).tokens.mint(ttl, origin)
     return JSONResponse(
         {"token": token.token, "expires_at": token.expires_at, "ttl_s": ttl, "origin": origin},
@@ -158,51 +175,51 @@ async def token_create(request: Request) -> Response:
 
 async def list_voices(request: Request) -> Response:
     if not _authorized(request):
-        return error("unauthorized", "a valid API key is required")
+        return error(request, "unauthorized", "a valid API key is required")
     return JSONResponse({"voices": [v.describe() for v in _services(request).voices.list()]})
 
 
 async def voice_get(request: Request) -> Response:
     if not _authorized(request):
-        return error("unauthorized", "a valid API key is required")
+        return error(request, "unauthorized", "a valid API key is required")
     voice = _services(request).voices.get(request.path_params["voice_id"])
     if voice is None:
-        return error("unknown_voice", f"no voice {request.path_params['voice_id']!r}")
+        return error(request, "unknown_voice", f"no voice {request.path_params['voice_id']!r}")
     return JSONResponse(voice.describe())
 
 
 async def voice_delete(request: Request) -> Response:
     if not _authorized(request):
-        return error("unauthorized", "a valid API key is required")
+        return error(request, "unauthorized", "a valid API key is required")
     if not _services(request).voices.delete(request.path_params["voice_id"]):
-        return error("unknown_voice", f"no voice {request.path_params['voice_id']!r}")
+        return error(request, "unknown_voice", f"no voice {request.path_params['voice_id']!r}")
     return Response(status_code=204)
 
 
 async def speech(request: Request) -> Response:
     """OpenAI-style speech: `{"input", "voice", "response_format", "stream"}` plus our extras."""
     if not _authorized(request):
-        return error("unauthorized", "a valid API key is required")
+        return error(request, "unauthorized", "a valid API key is required")
     services = _services(request)
     raw = await _read_body(request, services.settings.limits.max_message_bytes)
     if raw is None:
         limit = services.settings.limits.max_message_bytes
-        return error("message_too_large", f"the body is limited to {limit} bytes")
+        return error(request, "message_too_large", f"the body is limited to {limit} bytes")
     try:
         body = loads_json(raw)
     except ProtocolError as exc:
-        return error(exc.code, str(exc))
+        return error(request, exc.code, str(exc))
     if not isinstance(body, dict):
-        return error("bad_json", "the body must be a JSON object")
+        return error(request, "bad_json", "the body must be a JSON object")
     try:
         job = _speech_job(body, services)
     except ConfigError as exc:
-        return error(getattr(exc, "code", "bad_parameter"), str(exc))
+        return error(request, getattr(exc, "code", "bad_parameter"), str(exc))
     if services.worker.num_waiting >= services.settings.limits.max_waiting_requests:
-        return error("over_capacity", "the server is at capacity: retry shortly")
+        return error(request, "over_capacity", "the server is at capacity: retry shortly")
     fmt, stream = job["format"], body.get("stream", False)
     if not isinstance(stream, bool):
-        return error("bad_request", "'stream' must be true or false")
+        return error(request, "bad_request", "'stream' must be true or false")
     chunks = _generate(services, job)
     if stream:
         return StreamingResponse(chunks, media_type=MEDIA_TYPES[fmt.format])
@@ -216,7 +233,7 @@ async def speech(request: Request) -> Response:
     try:
         audio = collecting.result()
     except _BadInput as exc:
-        return error(exc.code, f"generation failed: {exc}", 500)
+        return error(request, exc.code, f"generation failed: {exc}", 500, count=False)
     if fmt.format == "wav":  # a proper header with sizes for a complete file
         audio = wav_header(fmt.sample_rate, len(audio) - 44) + audio[44:]
     return Response(audio, media_type=MEDIA_TYPES[fmt.format])
@@ -346,6 +363,8 @@ async def _generate(services, job: dict):
         try:
             utt.add_segments(job["segments"])  # checked in _speech_job: refused only by a bug
         except ConfigError as exc:
+            services.metrics.errors.labels("bad_request", "http").inc()
+            report.stopped(utt, "error", "bad_request")
             raise _BadInput("bad_request", str(exc)) from exc
         utt.pump()
         while (item := await collector.queue.get()) is not None:
@@ -360,4 +379,4 @@ async def _generate(services, job: dict):
     finally:
         if utt.state is State.RUNNING:
             utt.end(State.CANCELLED)
-        report.stopped(utt, "cancelled")  # (nothing if it was reported already)
+        report.stopped(utt, "disconnected")  # the client left (nothing if reported already)

@@ -1,13 +1,32 @@
 """Prometheus metrics of the service, in its own registry (several apps may live in one test
 process). Names follow the conventions of the LLM servers people already scrape, with the
 speech-specific ones added: time to first audio with a 0.32 s bucket edge, audio seconds,
-real-time factor, underruns, and the engine step time against the 40 ms frame budget."""
+real-time factor, chunk lead and underruns, and the engine step time against the 40 ms frame
+budget. Base units, the unit in the name, counters end in `_total` (prometheus-client adds
+it); labels are bounded (transport, kind, phase, code, reason: never an id or a text).
+docs/observability.md lists every series."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import threading
 
-from engine import STEP_PHASES
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    PlatformCollector,
+    ProcessCollector,
+    disable_created_metrics,
+    generate_latest,
+)
+
+from engine import GRAPH_FAMILIES, STEP_KINDS, STEP_PHASES
+
+# No `_created` series beside every counter and histogram (prometheus-client's default): they
+# double what each scrape carries and no panel or alert reads them.
+disable_created_metrics()
 
 FIRST_AUDIO_BUCKETS = (
     0.025,
@@ -28,16 +47,50 @@ FIRST_AUDIO_BUCKETS = (
 LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0, 120.0)
 STEP_BUCKETS = (0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.04, 0.08, 0.16)
 RTF_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0)
+QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+CODEC_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64)
+# How far ahead of the playhead a chunk arrived; negative: the player ran dry (an underrun).
+LEAD_BUCKETS = (-1.0, -0.25, -0.1, -0.04, 0.0, 0.04, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0)
 
 
 TRANSPORTS = ("websocket", "http")  # the `transport` label: how an utterance was asked for
+# How an utterance ended: its finish (eos, length), the client's cancel, the client gone
+# before the end, or an error (errors_total says which).
+OUTCOMES = ("eos", "length", "cancelled", "disconnected", "error")
+# Why a WebSocket connection ended: the client closed it (a close frame with 1000 or 1001),
+# the client was lost (any other close, or sending to it failed), or it idled out.
+CLOSE_REASONS = ("client_closed", "client_lost", "idle_timeout")
+
+
+class _Total:
+    """A counter fed from one of the engine's running totals (which restart at 0 with a new
+    engine): increments by what the total grew since it was last seen. Fed from two threads
+    (the events reader and the event loop), hence the lock: a total is never counted twice."""
+
+    def __init__(self, counter) -> None:
+        self.counter, self.seen = counter, 0
+        self.lock = threading.Lock()
+
+    def update(self, total: float) -> None:
+        with self.lock:
+            if total < self.seen:  # a new engine counts from 0 again
+                self.seen = 0
+            self.counter.inc(total - self.seen)
+            self.seen = total
 
 
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
+        ProcessCollector(registry=r)  # the server process's memory, CPU, open files, start
+        PlatformCollector(registry=r)
         p = "clonecast_"
         t = ["transport"]
+        self.build = Info(
+            p + "build", "Version, model, untrained flag, device and dtype", registry=r
+        )
+        # -- utterances (every transport) ---------------------------------------------------
         self.first_audio = Histogram(
             p + "time_to_first_audio_seconds",
             "Request received to first audio byte sent",
@@ -59,35 +112,29 @@ class Metrics:
             buckets=RTF_BUCKETS,
             registry=r,
         )
-        self.step = Histogram(
-            p + "engine_step_seconds",
-            "Duration of one engine step (budget: 0.04 s)",
-            buckets=STEP_BUCKETS,
+        self.chunk_lead = Histogram(
+            p + "chunk_lead_seconds",
+            "How far ahead of the playhead each chunk after the first was sent (negative: the "
+            "player had run dry); the playhead starts at the first audio and waits when dry",
+            t,
+            buckets=LEAD_BUCKETS,
             registry=r,
         )
-        self._rows_seen = 0
-        self.rows = Counter(
-            p + "engine_rows",
-            "Rows sampled by the engine (one per decoding request and step; 40 ms of audio each)",
-            registry=r,
-        )
-        phase = Counter(
-            p + "engine_phase_seconds",
-            "Host time inside engine steps by phase (schedule, launch, audio, gpu_wait, rows)",
-            ["phase"],
-            registry=r,
-        )
-        self._phases = [phase.labels(name) for name in STEP_PHASES]
-        self._phases_seen = [0.0] * len(STEP_PHASES)
         self.audio_seconds = Counter(
             p + "audio_seconds", "Seconds of audio sent to clients", t, registry=r
         )
         self.underruns = Counter(
-            p + "underruns", "Chunks ready after the audio before them had played", t, registry=r
+            p + "underruns", "Chunks sent after the audio before them had played", t, registry=r
+        )
+        self.underrun_seconds = Counter(
+            p + "underrun_seconds",
+            "Seconds a player would have waited, out of audio, for late chunks",
+            t,
+            registry=r,
         )
         self.requests = Counter(
             p + "request_success",
-            "Ended utterances by reason: eos, length, cancelled, error",
+            "Ended utterances by outcome: eos, length, cancelled, disconnected, error",
             ["finished_reason", "transport"],
             registry=r,
         )
@@ -95,24 +142,109 @@ class Metrics:
             p + "errors", "Errors sent to clients by code", ["code", "transport"], registry=r
         )
         for transport in TRANSPORTS:  # every series exists from the start (at zero)
-            for series in (self.first_audio, self.e2e, self.rtf, self.audio_seconds):
+            for series in (self.first_audio, self.e2e, self.rtf, self.chunk_lead):
                 series.labels(transport)
-            self.underruns.labels(transport)
+            for series in (self.audio_seconds, self.underruns, self.underrun_seconds):
+                series.labels(transport)
+            for outcome in OUTCOMES:
+                self.requests.labels(outcome, transport)
+        # -- connections --------------------------------------------------------------------
+        self.connections = Gauge(
+            p + "websocket_connections", "Open WebSocket connections", registry=r
+        )
+        self.closes = Counter(
+            p + "websocket_closes",
+            "Ended WebSocket connections by reason: client_closed, client_lost, idle_timeout",
+            ["reason"],
+            registry=r,
+        )
+        for reason in CLOSE_REASONS:
+            self.closes.labels(reason)
+        # -- the engine ---------------------------------------------------------------------
         self.engine_up = Gauge(
             p + "engine_up", "1 while the engine (its process or thread) runs, else 0", registry=r
         )
         self.running = Gauge(p + "num_requests_running", "Engine requests running", registry=r)
         self.waiting = Gauge(p + "num_requests_waiting", "Engine requests waiting", registry=r)
+        self.queue = Histogram(
+            p + "queue_time_seconds",
+            "A request's arrival in the engine to its first scheduled step",
+            buckets=QUEUE_BUCKETS,
+            registry=r,
+        )
+        self.step = Histogram(
+            p + "engine_step_seconds",
+            "Duration of one engine step by what it launched: prefill, decode, mixed, "
+            "readback (budget: 0.04 s)",
+            ["kind"],
+            buckets=STEP_BUCKETS,
+            registry=r,
+        )
+        self.batch = Histogram(
+            p + "engine_batch_size",
+            "Requests in one launched engine step",
+            buckets=BATCH_BUCKETS,
+            registry=r,
+        )
+        for kind in STEP_KINDS:
+            self.step.labels(kind)
+        self.rows = _Total(
+            Counter(
+                p + "engine_rows",
+                "Rows sampled by the engine (one per decoding request and step; 40 ms of audio)",
+                registry=r,
+            )
+        )
+        phase = Counter(
+            p + "engine_phase_seconds",
+            "Host time inside engine steps by phase (schedule, launch, audio, gpu_wait, rows)",
+            ["phase"],
+            registry=r,
+        )
+        self._phases = [_Total(phase.labels(name)) for name in STEP_PHASES]
+        self.prefill_tokens = _Total(
+            Counter(
+                p + "prefill_tokens",
+                "Prompt positions computed by the engine (prefix-cache hits excluded)",
+                registry=r,
+            )
+        )
+        self.prefix_hit_tokens = _Total(
+            Counter(
+                p + "prefix_cache_hit_tokens",
+                "Prompt positions taken from the prefix cache instead of computed",
+                registry=r,
+            )
+        )
+        self.preemptions = _Total(
+            Counter(p + "preemptions", "Requests preempted for want of KV cache blocks", registry=r)
+        )
         self.kv_usage = Gauge(
             p + "kv_cache_usage_perc", "Fraction of KV cache blocks in use", registry=r
         )
         self.kv_free = Gauge(p + "kv_cache_free_blocks", "Free KV cache blocks", registry=r)
-        self.connections = Gauge(
-            p + "websocket_connections", "Open WebSocket connections", registry=r
+        self.codec_batch = Histogram(
+            p + "codec_batch_seconds",
+            "A codec batch's submission to its audio read back",
+            buckets=CODEC_BUCKETS,
+            registry=r,
         )
-        self.voice_encodes = Gauge(p + "voice_encodes", "Reference recordings encoded", registry=r)
-        self.voice_cache_hits = Gauge(
-            p + "voice_cache_hits", "Reference encodes served from the cache", registry=r
+        self.codec_windows = Counter(
+            p + "codec_windows", "Chunk windows decoded by the codec", registry=r
+        )
+        self.voice_hits = _Total(
+            Counter(
+                p + "voice_cache_hits",
+                "Reference recordings whose codes came from the voice cache",
+                registry=r,
+            )
+        )
+        self.voice_misses = _Total(
+            Counter(
+                p + "voice_cache_misses",
+                "Reference recordings encoded by the codec (not in the voice cache)",
+                registry=r,
+            )
         )
         self.capture_memory = Gauge(
             p + "graph_capture_memory_bytes",
@@ -123,25 +255,55 @@ class Metrics:
         self.capture_seconds = Gauge(
             p + "graph_capture_seconds", "Time spent capturing graphs", ["family"], registry=r
         )
+        for family in GRAPH_FAMILIES:  # 0 until captured (never, eager or on a CPU)
+            self.capture_seconds.labels(family)
+            for kind in ("allocated", "reserved"):
+                self.capture_memory.labels(family, kind)
 
-    def count_rows(self, total: int) -> None:
-        """The engine's running total of rows; called by one thread only (the engine's)."""
-        self.rows.inc(total - self._rows_seen)
-        self._rows_seen = total
+    def set_build(self, version: str, info, model_name: str) -> None:
+        """The info metric, once the engine has started (`info`: its EngineInfo)."""
+        self.build.info(
+            {
+                "version": version,
+                "model": model_name,
+                "untrained": str(info.is_default_model).lower(),
+                "device": info.device,
+                "dtype": info.dtype,
+            }
+        )
+        for report in info.capture_reports:
+            self.capture_seconds.labels(report.family).set(report.seconds)
+            self.capture_memory.labels(report.family, "allocated").set(report.allocated_bytes)
+            self.capture_memory.labels(report.family, "reserved").set(report.reserved_bytes)
 
-    def count_phases(self, totals) -> None:
-        """The engine's running totals of host time per step phase (engine thread only)."""
-        for i, (child, total) in enumerate(zip(self._phases, totals, strict=True)):
-            child.inc(max(0.0, total - self._phases_seen[i]))
-            self._phases_seen[i] = total
+    def observe_steps(self, observed, stats) -> None:
+        """A report of engine steps (the reader thread of the engine's events only)."""
+        for seconds, shape in observed.steps:
+            self.step.labels(shape.kind).observe(seconds)
+            if shape.requests:
+                self.batch.observe(shape.requests)
+        for seconds in observed.queue_seconds:
+            self.queue.observe(seconds)
+        for seconds, windows in observed.codec_batches:
+            self.codec_batch.observe(seconds)
+            self.codec_windows.inc(windows)
+        self.rows.update(stats.num_rows_generated)
+        for child, total in zip(self._phases, stats.phase_seconds_total, strict=True):
+            child.update(total)
+        self.update_engine(stats)
 
     def update_engine(self, stats) -> None:
+        """The engine's state (gauges) and its running totals. Called from the events reader
+        and the event loop (a snapshot: no lock is held across the engine)."""
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.kv_free.set(stats.num_free_kv_blocks)
         self.kv_usage.set(1.0 - stats.num_free_kv_blocks / max(1, stats.num_kv_blocks))
-        self.voice_encodes.set(stats.num_voice_encodes)
-        self.voice_cache_hits.set(stats.num_voice_cache_hits)
+        self.prefill_tokens.update(stats.num_prefill_tokens_computed)
+        self.prefix_hit_tokens.update(stats.num_prefix_cached_tokens)
+        self.preemptions.update(stats.num_preemptions)
+        self.voice_hits.update(stats.num_voice_cache_hits)
+        self.voice_misses.update(stats.num_voice_encodes)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

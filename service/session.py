@@ -380,11 +380,14 @@ class Session:
         self._forget(utt)
         self.send_error(code, message, utt.id)
 
-    def _end(self, utt: Utterance, state: State, code: str | None = None) -> None:
+    def _end(
+        self, utt: Utterance, state: State, code: str | None = None, outcome: str | None = None
+    ) -> None:
         """Cancels or fails (with the error's `code`) an utterance: aborts its engine
-        requests, sends nothing more."""
+        requests, sends nothing more. `outcome`: what its report says, if not "error" or
+        "cancelled" by its state."""
         utt.end(state)
-        outcome = "error" if state is State.FAILED else "cancelled"
+        outcome = outcome or ("error" if state is State.FAILED else "cancelled")
         utt.report.stopped(utt, outcome, code)
         self._forget(utt)
 
@@ -397,4 +400,4 @@ class Session:
         for task in list(self.tasks):
             task.cancel()
         for utt in list(self.utterances.values()):
-            self._end(utt, State.CANCELLED)
+            self._end(utt, State.CANCELLED, outcome="disconnected")

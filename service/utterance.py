@@ -67,6 +67,7 @@ class Stats:
     chunks: int = 0
     bytes: int = 0
     underruns: int = 0
+    stalled_s: float = 0.0  # how long a player would have waited, out of audio
 
     def as_dict(self, segments: int) -> dict:
         elapsed = time.monotonic() - self.started

@@ -1,8 +1,13 @@
 """What an utterance reports, whatever its transport: its audio as it goes out (first audio,
-underruns, audio seconds: the Prometheus series with their `transport` label) and one log
-line when it ends (ids, transport, voice, segments, first audio, audio seconds, real-time
-factor, reason or error code; never its text). Plain text or JSON, by CLONECAST_LOG_FORMAT.
-"""
+chunk lead, underruns, audio seconds: the Prometheus series with their `transport` label) and
+one log line when it ends (ids, transport, voice, segments, first audio, audio seconds,
+real-time factor, outcome or error code; never its text). Plain text or JSON, by
+CLONECAST_LOG_FORMAT.
+
+Lead and underruns are measured against a player that starts with the first audio and, when
+it runs dry, waits for the next chunk (its playhead stalls): a chunk's lead is the audio sent
+before it minus what that player has played. One late chunk is one underrun, not one for
+every chunk after it."""
 
 from __future__ import annotations
 
@@ -28,9 +33,14 @@ class UtteranceReport:
         if stats.first_audio is None:
             stats.first_audio = now
             m.first_audio.labels(t).observe(now - stats.started)
-        elif now > stats.first_audio + stats.audio_s:
-            stats.underruns += 1
-            m.underruns.labels(t).inc()
+        else:
+            lead = stats.audio_s - (now - stats.first_audio - stats.stalled_s)
+            m.chunk_lead.labels(t).observe(lead)
+            if lead < 0:
+                stats.underruns += 1
+                stats.stalled_s -= lead
+                m.underruns.labels(t).inc()
+                m.underrun_seconds.labels(t).inc(-lead)
         seconds = audio_bytes / utt.format.bytes_per_sample / utt.format.sample_rate
         stats.audio_s += seconds
         stats.chunks += 1
@@ -47,7 +57,8 @@ class UtteranceReport:
         return stats
 
     def stopped(self, utt, outcome: str, code: str | None = None) -> None:
-        """Cancelled (`outcome` "cancelled") or failed ("error", with the error's code)."""
+        """Cancelled by the client ("cancelled"), its client gone ("disconnected") or failed
+        ("error", with the error's code)."""
         self._end(utt, outcome, code, utt.stats.as_dict(len(utt.segments)))
 
     def _end(self, utt, outcome: str, code: str | None, stats: dict) -> None:

@@ -58,12 +58,14 @@ async def stream_endpoint(ws: WebSocket) -> None:
     services.metrics.connections.set(services.connections)
     session = Session(ws, services)
     sender = asyncio.create_task(session.sender())
+    reason = "client_lost"
     try:
         session.send_json(_ready_message(session, services))
-        await _receive_loop(ws, session, sender)
-    except WebSocketDisconnect:
-        pass
+        reason = await _receive_loop(ws, session, sender)
+    except WebSocketDisconnect as exc:
+        reason = _close_reason(exc.code)
     finally:
+        services.metrics.closes.labels(reason).inc()
         session.close()
         sender.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -72,7 +74,14 @@ async def stream_endpoint(ws: WebSocket) -> None:
         services.metrics.connections.set(services.connections)
 
 
-async def _receive_loop(ws: WebSocket, session: Session, sender: asyncio.Task) -> None:
+def _close_reason(code: int | None) -> str:
+    """A close frame with 1000 (normal) or 1001 (going away) is the client closing; any other
+    code, or none (1005, 1006: no close frame), is a client lost."""
+    return "client_closed" if code in (1000, 1001) else "client_lost"
+
+
+async def _receive_loop(ws: WebSocket, session: Session, sender: asyncio.Task) -> str:
+    """Serves the connection until it ends; returns why (a CLOSE_REASONS of the metrics)."""
     idle = session.limits.idle_timeout_s
     receive = None
     while True:
@@ -82,16 +91,16 @@ async def _receive_loop(ws: WebSocket, session: Session, sender: asyncio.Task) -
         )
         if sender in done:  # the socket failed while sending
             receive.cancel()
-            return
+            return "client_lost"
         if not done:
             if session.utterances:
                 continue  # audio is still being produced: not idle
             receive.cancel()
             await ws.close(CLOSE_IDLE, f"idle for {idle:g} s")
-            return
+            return "idle_timeout"
         message, receive = receive.result(), None
         if message["type"] == "websocket.disconnect":
-            return
+            return _close_reason(message.get("code"))
         if message.get("text") is not None:
             await session.on_text(message["text"])
         elif message.get("bytes") is not None:

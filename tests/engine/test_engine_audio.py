@@ -302,3 +302,33 @@ def test_generate_is_all_or_nothing(engine):
     with pytest.raises(ConfigError):
         engine.generate(["fine", "   "], params=SamplingParams(max_rows=2))
     assert not engine.has_unfinished()
+
+
+def test_observations_name_each_steps_kind_queue_times_and_codec_batches(engine):
+    """`take_observations`: every step once with what it launched (the first prefills both
+    prompts, later ones decode one row each, a mixed step admits a late request beside a
+    decode), each request's queue time once, and a latency per codec batch read back; then
+    nothing until the next steps."""
+    engine.take_observations()  # what earlier tests left
+    engine.add_request("o1", "Observed one.", params=SamplingParams(seed=1, max_rows=40))
+    engine.add_request("o2", "Observed two.", params=SamplingParams(seed=2, max_rows=40))
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+        if steps == 3:
+            engine.add_request("o3", "Late.", params=SamplingParams(seed=3, max_rows=12))
+    seen = engine.take_observations()
+    assert len(seen.steps) == steps and all(seconds > 0 for seconds, _ in seen.steps)
+    kinds = [shape.kind for _, shape in seen.steps]
+    first = seen.steps[0][1]
+    assert first.kind == "prefill" and first.requests == 2 and first.tokens > 10
+    assert seen.steps[3][1].kind == "mixed" and seen.steps[3][1].requests == 3
+    decodes = [shape for _, shape in seen.steps if shape.kind == "decode"]
+    assert len(decodes) >= 30 and all(s.tokens == s.requests for s in decodes)
+    assert set(kinds) <= {"prefill", "decode", "mixed", "readback"}
+    assert kinds[-1] == "readback"  # the last rows and audio read back with nothing launched
+    assert len(seen.queue_seconds) == 3 and all(q >= 0 for q in seen.queue_seconds)
+    windows = sum(n for _, n in seen.codec_batches)
+    assert windows >= 2 + 2 + 1 and all(seconds >= 0 for seconds, _ in seen.codec_batches)
+    assert not engine.take_observations()

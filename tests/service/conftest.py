@@ -297,6 +297,11 @@ def scrape(server) -> dict[str, float]:
     return samples
 
 
+def summed(samples: dict[str, float], name: str) -> float:
+    """A scraped series summed over its labels (`name` alone or `name{...}`)."""
+    return sum(v for k, v in samples.items() if k == name or k.startswith(name + "{"))
+
+
 def wait_engine_idle(server, timeout: float = 15.0) -> dict[str, float]:
     """Polls /metrics until no request runs or waits and every KV block is free again."""
     total = server.services.worker.stats.num_kv_blocks

@@ -22,6 +22,7 @@ from .conftest import (
     run,
     scrape,
     speak,
+    summed,
     wait_engine_idle,
 )
 
@@ -69,8 +70,7 @@ GAUGES = [
     "clonecast_kv_cache_usage_perc",
     "clonecast_kv_cache_free_blocks",
     "clonecast_websocket_connections",
-    "clonecast_voice_encodes",
-    "clonecast_voice_cache_hits",
+    "clonecast_engine_up",
 ]
 
 
@@ -82,7 +82,8 @@ def test_metrics_exposition(server):
     for transport in ("websocket", "http"):  # 0.32 s is a bucket edge: SLO ratios are exact
         edge = f'clonecast_time_to_first_audio_seconds_bucket{{le="0.32",transport="{transport}"}}'
         assert edge in text
-    assert 'clonecast_engine_step_seconds_bucket{le="0.04"}' in text
+    for kind in ("prefill", "decode", "mixed", "readback"):  # 40 ms: a frame's budget
+        assert f'clonecast_engine_step_seconds_bucket{{kind="{kind}",le="0.04"}}' in text
     for name in GAUGES:
         assert f"# TYPE {name} gauge" in text
     for name in ("clonecast_graph_capture_memory_bytes", "clonecast_graph_capture_seconds"):
@@ -91,13 +92,27 @@ def test_metrics_exposition(server):
         "clonecast_e2e_request_latency_seconds",
         "clonecast_real_time_factor",
         "clonecast_time_to_first_audio_seconds",
+        "clonecast_chunk_lead_seconds",
+        "clonecast_queue_time_seconds",
+        "clonecast_engine_step_seconds",
+        "clonecast_engine_batch_size",
+        "clonecast_codec_batch_seconds",
     ):
         assert f"# TYPE {name} histogram" in text
     for name in (
         "clonecast_audio_seconds",
         "clonecast_underruns",
+        "clonecast_underrun_seconds",
         "clonecast_request_success",
         "clonecast_errors",
+        "clonecast_websocket_closes",
+        "clonecast_prefill_tokens",
+        "clonecast_prefix_cache_hit_tokens",
+        "clonecast_preemptions",
+        "clonecast_voice_cache_hits",
+        "clonecast_voice_cache_misses",
+        "clonecast_codec_windows",
+        "clonecast_engine_rows",
     ):
         assert f"# TYPE {name}_total counter" in text
     m = scrape(server)
@@ -129,9 +144,8 @@ def test_metrics_count_a_websocket_utterance(server):
     assert after[audio] == pytest.approx(before[audio] + u.done["stats"]["audio_s"], abs=1e-3)
     key = 'clonecast_request_success_total{finished_reason="length",transport="websocket"}'
     assert after[key] == before.get(key, 0) + 1
-    assert (
-        after["clonecast_engine_step_seconds_count"] > before["clonecast_engine_step_seconds_count"]
-    )
+    steps = "clonecast_engine_step_seconds_count"
+    assert summed(after, steps) > summed(before, steps)
     # 1 s of audio: 25 frames + the 8-row ramp, every row counted once
     assert after["clonecast_engine_rows_total"] - before["clonecast_engine_rows_total"] >= 25
     # the host time inside steps, by phase, grows with them and stays within the steps' time
@@ -142,7 +156,7 @@ def test_metrics_count_a_websocket_utterance(server):
         assert grown[phase] >= 0
     assert grown["launch"] > 0 and grown["rows"] > 0
     step_sum = "clonecast_engine_step_seconds_sum"
-    in_steps = after[step_sum] - before[step_sum]
+    in_steps = summed(after, step_sum) - summed(before, step_sum)
     assert sum(grown.values()) <= in_steps * 1.01 + 1e-3
 
 

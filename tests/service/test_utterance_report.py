@@ -75,3 +75,43 @@ def test_the_log_format_setting_is_validated(monkeypatch):
     monkeypatch.setenv("CLONECAST_LOG_FORMAT", "xml")
     with pytest.raises(ValueError, match="CLONECAST_LOG_FORMAT"):
         ServiceSettings.from_env()
+
+
+def test_the_playhead_waits_when_dry_so_one_late_chunk_is_one_underrun(monkeypatch):
+    """A player starts with the first audio and waits when it runs dry: the chunk after a
+    late one is measured against the stalled playhead, not the original schedule."""
+    now = [100.0]
+    monkeypatch.setattr("service.utterance_report.time.monotonic", lambda: now[0])
+    metrics, utt = Metrics(), _utterance()
+    utt.stats.started = 99.95
+    report = UtteranceReport(metrics, "websocket", "s_1/u")
+    report.audio_sent(utt, 15360, 15360)  # 0.32 s at t = 0
+    now[0] = 101.0  # 1 s later: the player ran dry 0.68 s ago
+    report.audio_sent(utt, 48000, 48000)
+    now[0] = 101.9  # the player resumed at 1.0 and has played 1.32 - 0.1 s of 1.32
+    report.audio_sent(utt, 48000, 48000)
+    t = {"transport": "websocket"}
+    assert utt.stats.underruns == 1 and utt.stats.stalled_s == pytest.approx(0.68)
+    assert _value(metrics, "clonecast_underruns_total", **t) == 1
+    assert _value(metrics, "clonecast_underrun_seconds_total", **t) == pytest.approx(0.68)
+    # two leads observed (the first chunk has none): -0.68 and +0.1
+    assert _value(metrics, "clonecast_chunk_lead_seconds_count", **t) == 2
+    # (with negative buckets prometheus-client exposes no _sum: quantiles come from buckets)
+    assert _value(metrics, "clonecast_chunk_lead_seconds_bucket", le="-0.25", **t) == 1
+    assert _value(metrics, "clonecast_chunk_lead_seconds_bucket", le="0.0", **t) == 1
+    assert _value(metrics, "clonecast_chunk_lead_seconds_bucket", le="0.1", **t) == 2
+    assert _value(metrics, "clonecast_time_to_first_audio_seconds_sum", **t) == pytest.approx(0.05)
+
+
+def test_an_engine_total_counts_once_from_two_threads_and_again_after_a_restart():
+    """Counters fed from the engine's running totals: a total seen twice adds nothing; a new
+    engine's totals start at 0 and count from there."""
+    from service.metrics import _Total
+
+    metrics = Metrics()
+    total = _Total(metrics.rows.counter)
+    for seen in (10, 10, 25, 25):
+        total.update(seen)
+    total.update(4)  # a new engine
+    total.update(6)
+    assert _value(metrics, "clonecast_engine_rows_total") == 31

@@ -179,7 +179,7 @@ def test_ws_upload_over_the_limit(vs):
 def test_http_voice_lifecycle(vs):
     raw = reference_audio(2.0, "WAV", f0=120.0)
     other = reference_audio(1.5, "FLAC", f0=260.0)
-    encodes = scrape(vs)["clonecast_voice_encodes"]
+    encodes = scrape(vs)["clonecast_voice_cache_misses_total"]
     url = vs.http + "/v1/voices"
     r = httpx.post(url + "?transcript=Raw%20body.", content=raw, timeout=60)
     assert r.status_code == 201, r.text
@@ -190,7 +190,7 @@ def test_http_voice_lifecycle(vs):
     r = httpx.post(url + "?transcript=Raw%20body.", content=raw, timeout=60)
     assert r.status_code == 200 and r.json()["cached"] is True
     assert r.json()["voice_id"] == first["voice_id"]
-    assert scrape(vs)["clonecast_voice_encodes"] == encodes + 1
+    assert scrape(vs)["clonecast_voice_cache_misses_total"] == encodes + 1
     r = httpx.post(url, json={"audio_b64": b64(other), "transcript": "Json."}, timeout=60)
     assert r.status_code == 201, r.text
     second = r.json()
