@@ -13,8 +13,8 @@
 #                SERVE_MAX: the server's max_num_seqs, else its default 64; PYSPY="D S": py-spy
 #                attached D s after the server is ready for S s, server and engine process,
 #                samples holding the interpreter lock, summarised by benchmarks/pyspy_top.py)
-#   PROTOCOL=1   the full served protocol of docs/PERFORMANCE.md (C = 1..256, 3 fresh starts);
-#                PROTOCOL_N timed requests per point (256; 512 gives a longer saturated window)
+#   PROTOCOL=1   the full served protocol of docs/PERFORMANCE.md (C = 1..256, 3 fresh starts,
+#                10 s timed a point); PROTOCOL_VOICES pool sizes (64,1), PROTOCOL_C, PROTOCOL_S
 #   STEP_AB      the decode step (eager_step.py) per EngineConfig override set, as LOOP_AB
 #   HOST=1       host work per engine step at C = 64 and 128 (benchmarks/host_cost.py)
 #   GIL_MS="a b" one served start at C = 64 and 128 per GIL switch interval (ms) of the server
@@ -23,10 +23,10 @@
 #   STEP_ARGS    extra arguments of the decode-step table (STEP=0 skips it)
 # Each part has its own time limit, so one slow part cannot eat the whole call.
 set -uo pipefail
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD:$PWD/clients/python PYTHONUNBUFFERED=1
 # Packages the GPU image lacks travel as wheels in .whl (see .library device README).
 if [ -d .whl ]; then
-  python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null && export PYTHONPATH=/tmp/site:$PWD
+  python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null && export PYTHONPATH=/tmp/site:$PWD:$PWD/clients/python
 fi
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 CKPT=/tmp/full-codec
@@ -49,7 +49,9 @@ fi
 [ -n "${SKIP_CODEC:-}" ] || timeout 150 python3 benchmarks/codec_throughput.py ${CODEC_ARGS:-} 2>&1 | tee "$OUT/codec_throughput.log" | tail -24
 TESTS=${PYTEST_ARGS-tests}
 if [ -n "$TESTS" ]; then
-  timeout ${TESTS_LIMIT:-400} python3 -m pytest -q -rs -p no:cacheprovider $TESTS ${TESTS_K:+-k "$TESTS_K"} -s 2>&1 | tee "$OUT/tests.log" | grep -E "passed|failed|error|worst|rel err|FAILED|Error" | tail -20
+  timeout ${TESTS_LIMIT:-400} python3 -m pytest -q -rs -p no:cacheprovider $TESTS ${TESTS_K:+-k "$TESTS_K"} -s > "$OUT/tests.log" 2>&1
+  echo "pytest exit status $?"  # (0: every selected test passed; 4/5: nothing collected)
+  grep -E "passed|failed|error|worst|rel err|FAILED|Error" "$OUT/tests.log" | tail -20
 fi
 if [ "${LOOP:-0}" = 1 ]; then
   timeout 300 python3 benchmarks/engine_loop.py --model $CKPT --concurrency ${LOOP_C:-1,32,64} --warmup-s 4 --timed-s 6 ${LOOP_ARGS:-} --profile "$OUT/loop_profile.txt" 2>&1 | tee "$OUT/engine_loop.log" | grep -v "^{" | tail -9
@@ -91,7 +93,8 @@ PY
   fi
 fi
 if [ "${PROTOCOL:-0}" = 1 ]; then
-  timeout 560 python3 benchmarks/serve_bench.py --model $CKPT --concurrency 1,32,64,128,256 --requests ${PROTOCOL_N:-256} --warmup 64 --c1-requests 24 --starts 3 --fresh-server --max-num-seqs 256 ${PROTOCOL_ARGS:-} --out "$OUT/protocol" 2>&1 | tail -34
+  timeout ${PROTOCOL_LIMIT:-560} python3 benchmarks/serve_bench.py --model $CKPT --concurrency ${PROTOCOL_C:-1,32,64,128,256} --voices ${PROTOCOL_VOICES:-64,1} --timed-s ${PROTOCOL_S:-10} --warmup 64 --c1-requests 12 --starts 3 --fresh-server --max-num-seqs 256 ${PROTOCOL_ARGS:-} --out "$OUT/protocol" > "$OUT/protocol.log" 2>&1
+  grep -v "^[0-9]* voices C=" "$OUT/protocol.log" | tail -60
 fi
 for g in ${GIL_MS:-}; do
   CLONECAST_GIL_SWITCH_MS=$g timeout 150 python3 benchmarks/serve_bench.py --model $CKPT --concurrency 64,128 --requests 256 --warmup 64 --starts 1 --max-num-seqs 256 --out "$OUT/gil_$g" 2>&1 | grep "^default.* 1 " | sed "s/^/gil $g ms: /"

@@ -19,12 +19,14 @@ class RunningSampler:
     """After `stop(start, end)`: the mean running and waiting requests (returned) and, from the
     first and last sample inside the window, `window_rows` (rows per step), `window_wall_ms`
     (wall time per step), `window_step_ms` (time inside step() per step), `window_phase_ms`
-    (that time by phase, engine.STEP_PHASES) and `window_long_steps` (steps over 20 ms). All
+    (that time by phase, engine.STEP_PHASES), `window_long_steps` (steps over 20 ms) and
+    `scrape_ms` (mean and max time /metrics took to answer during the load). All
     NaN when fewer than two samples fall inside the window, or when the server does not
     export the figure."""
 
     def __init__(self, port: int):
         self.port, self.values, self.waiting, self.counters = port, [], [], []
+        self.scrapes: list[float] = []  # how long each /metrics answer took (s)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -32,8 +34,10 @@ class RunningSampler:
     def _run(self) -> None:
         url = f"http://127.0.0.1:{self.port}/metrics"
         while not self._stop.wait(0.1):
+            sent = time.perf_counter()
             text = urllib.request.urlopen(url).read().decode()
             now = time.perf_counter()
+            self.scrapes.append(now - sent)
             rows = math.nan
             steps = inside = under_20ms = 0.0
             phases: dict[str, float] = {}
@@ -64,6 +68,12 @@ class RunningSampler:
             return statistics.fmean(inside) if inside else 0.0
 
         inside = [c for c in self.counters if start <= c[0] <= end]
+        # /metrics under this load: (mean, max) ms of its answers
+        self.scrape_ms = (
+            (statistics.fmean(self.scrapes) * 1e3, max(self.scrapes) * 1e3)
+            if self.scrapes
+            else (math.nan, math.nan)
+        )
         nan = math.nan
         self.window_rows = self.window_wall_ms = self.window_step_ms = nan
         self.window_long_steps = nan

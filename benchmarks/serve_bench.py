@@ -1,15 +1,20 @@
 """The served benchmark of docs/PERFORMANCE.md: the real server, the real WebSocket protocol, a
 closed loop of C clients on the same host sending voice-clone requests.
 
-For each concurrency: warm-up requests excluded (`--warmup`, 64, but never fewer than C: with
-fewer, the timed window opens on the cold ramp of C simultaneous first requests), then
-`--requests` timed requests, repeated `--starts` times (fresh connections each time; a fresh
-server each time with `--fresh-server`); `--sim ARGS` runs benchmarks/sim_server.py (the real
-service with the GPU work simulated) instead of the real server; output lengths drawn from a
-seeded distribution with mean 109 frames (4.36 s), range 1-10 s, enforced with
-`max_duration_s` (random weights never choose to stop). Prints audio-s/s, requests/s, first
-audio mean/P50/P95/P99, completion mean, underruns and the first payload sizes; with
-`--eager`, the same load against a server without CUDA graphs, and the ratio.
+For each voice pool (`--voices 64,1`: 64 distinct 3-6 s references with transcripts, each
+request drawing one, then a single voice the prefix cache serves) and concurrency: warm-up
+requests excluded (`--warmup`, 64, but never fewer than C: with fewer, the timed window
+opens on the cold ramp of C simultaneous first requests), then `--requests` timed requests
+(or, with `--timed-s`, every request sent in that many seconds), repeated `--starts` times
+(fresh connections each time; a fresh server each time with `--fresh-server`); `--sim ARGS`
+runs benchmarks/sim_server.py (the real service with the GPU work simulated) instead of the
+real server; output lengths drawn from a seeded distribution with mean 109 frames (4.36 s),
+range 1-10 s, enforced with `max_duration_s` (random weights never choose to stop). Prints
+the run's identity, then per start and pooled (benchmarks/bench_report.py) audio-s/s with its
+range, requests/s and first audio mean/P50/P95/P99 over the saturated window, underruns per
+1,000 chunks, the window's length and requests, the prefix-hit share and prefill per request,
+the steps per graph bucket, the ratios to the floor and to vLLM-Omni, PASS / FAIL per target
+and VALID or not; with `--eager`, the same load against a server without CUDA graphs.
 
     python benchmarks/serve_bench.py --model DIR [--write-full] [--concurrency 1,32,64]
 """
@@ -19,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
-import io
 import json
 import os
 import random
@@ -31,11 +35,10 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.floor import floor_ms  # noqa: E402
+from benchmarks.bench_report import describe_identity, identity, print_table  # noqa: E402
 from benchmarks.metrics_window import RunningSampler  # noqa: E402
+from benchmarks.voice_pool import pool  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXTS = [
@@ -59,19 +62,6 @@ class Record:
     reason: str
     arrivals: list[tuple[float, float]]  # (time, audio seconds) of every audio frame
     client: int = -1
-
-
-def reference_wav(seconds: float, seed: int = 0) -> bytes:
-    import soundfile as sf
-
-    rng = np.random.default_rng(seed)
-    t = np.arange(int(seconds * 24000)) / 24000
-    f0 = 120 + 40 * np.sin(2 * np.pi * 0.5 * t)
-    x = sum(np.sin(2 * np.pi * k * np.cumsum(f0) / 24000) / k for k in range(1, 8))
-    x = 0.2 * x * (0.6 + 0.4 * np.sin(2 * np.pi * 3 * t)) + 0.003 * rng.standard_normal(len(t))
-    buf = io.BytesIO()
-    sf.write(buf, x.astype(np.float32), 24000, format="WAV")
-    return buf.getvalue()
 
 
 def durations(n: int, seed: int) -> list[float]:
@@ -128,27 +118,54 @@ async def one_request(ws, uid: str, voice_id: str, text: str, seconds: float, se
 
 
 async def run_load(
-    url: str, voice_id: str, concurrency: int, warmup: int, timed: int, seed: int
+    url: str,
+    voice_ids: list[str],
+    concurrency: int,
+    warmup: int,
+    timed: int,
+    seed: int,
+    timed_s: float = 0.0,
 ) -> tuple[list[Record], list[Record], float]:
     """The timed records, every record (warm-up included), and when the first client ran
-    out of requests (until then every client was busy: the saturated window ends there)."""
+    out of requests (until then every client was busy: the saturated window ends there).
+    Each request draws its voice from `voice_ids` (seeded). The timed requests are `timed`
+    of them or, with `timed_s`, every request sent within `timed_s` seconds of the first
+    timed one (so the saturated window lasts at least that long at any concurrency)."""
     import websockets
 
-    lengths = durations(warmup + timed + concurrency, seed)
-    counter = iter(range(10**9))
+    limit = warmup + timed + concurrency if not timed_s else 200_000
+    lengths = durations(limit, seed)
+    draw = random.Random(seed + 7)
+    voices = [voice_ids[draw.randrange(len(voice_ids))] for _ in lengths]
+    counter = iter(range(limit))
     records: list[tuple[int, Record]] = []
     first_idle: list[float] = []
+    deadline: list[float] = []  # set when the first timed request is sent
+
+    def more(i: int) -> bool:
+        if i < warmup:
+            return True
+        if not timed_s:
+            return i < warmup + timed
+        if not deadline:
+            deadline.append(time.perf_counter() + timed_s)
+        return time.perf_counter() < deadline[0]
 
     async def client(c: int) -> None:
         async with websockets.connect(url, max_size=None) as ws:
             json.loads(await ws.recv())  # ready
             while True:
                 i = next(counter)
-                if i >= warmup + timed:
+                if not more(i):
                     first_idle.append(time.perf_counter())
                     return
                 rec = await one_request(
-                    ws, f"c{c}-{i}", voice_id, TEXTS[i % len(TEXTS)], lengths[i], seed * 100_000 + i
+                    ws,
+                    f"c{c}-{i}",
+                    voices[i],
+                    TEXTS[i % len(TEXTS)],
+                    lengths[i],
+                    seed * 100_000 + i,
                 )
                 rec.client = c
                 records.append((i, rec))
@@ -158,27 +175,30 @@ async def run_load(
     return [r for i, r in ordered if i >= warmup], [r for _, r in ordered], min(first_idle)
 
 
-def saturated(timed: list[Record], every: list[Record], end: float) -> tuple[float, float]:
-    """(audio seconds, wall seconds) received while every client was busy: from the first
-    timed send to the moment the first client ran out of requests, counting every request's
-    audio that arrived in that window (warm-up requests still running included). Unlike the
-    whole run's wall, it leaves out the tail where fewer than C requests remain."""
+def saturated(timed: list[Record], every: list[Record], end: float) -> tuple[float, float, int]:
+    """(audio seconds, wall seconds, requests finished) while every client was busy: from the
+    first timed send to the moment the first client ran out of requests, counting every
+    request's audio that arrived in that window (warm-up requests still running included).
+    Unlike the whole run's wall, it leaves out the tail where fewer than C requests remain."""
     start = min(r.sent for r in timed)
     audio = sum(s for r in every for t, s in r.arrivals if start <= t <= end)
-    return audio, end - start
+    return audio, end - start, sum(1 for r in every if start <= r.done <= end)
 
 
 def summarise(
     records: list[Record], window: tuple[float, float], wall: float | None = None
 ) -> dict:
     """Figures over `records`; `wall` defaults to first send -> last done; `window` is the
-    saturated (audio seconds, wall seconds)."""
+    saturated (audio seconds, wall seconds, requests finished)."""
     wall = wall or max(r.done for r in records) - min(r.sent for r in records)
     ttfa = sorted((r.first_audio - r.sent) * 1e3 for r in records if r.first_audio)
     pct = lambda p: ttfa[min(len(ttfa) - 1, int(round(p / 100 * (len(ttfa) - 1))))]  # noqa: E731
     return {
         "audio_s_per_s": window[0] / window[1],
+        "window_audio_s": window[0],
         "saturated_s": window[1],
+        "window_requests": window[2],
+        "window_requests_per_s": window[2] / window[1],
         "audio_s_per_s_whole": sum(r.audio_s for r in records) / wall,
         "requests_per_s": len(records) / wall,
         "wall_s": wall,
@@ -188,6 +208,10 @@ def summarise(
         "ttfa_p99": pct(99),
         "completion_mean": statistics.fmean(r.done - r.sent for r in records),
         "underruns": sum(r.underruns for r in records),
+        "chunks": sum(len(r.arrivals) for r in records),
+        "underruns_per_1000": 1e3
+        * sum(r.underruns for r in records)
+        / max(1, sum(len(r.arrivals) for r in records)),
         "first_payloads": sorted({r.first_payload for r in records}),
         "mean_audio_s": statistics.fmean(r.audio_s for r in records),
         "reasons": sorted({r.reason for r in records}),
@@ -260,49 +284,73 @@ def process_cpu(server_pid: int) -> dict[str, float]:
     return out
 
 
-def step_stats(port: int) -> tuple[float, float, float]:
-    """(seconds in steps, steps, rows sampled) so far, from the server's /metrics."""
+COUNTERS = {
+    "step_s": "clonecast_engine_step_seconds_sum",
+    "steps": "clonecast_engine_step_seconds_count",
+    "rows": "clonecast_engine_rows_total",
+    "prefill": "clonecast_prefill_tokens_total",
+    "prefix_hits": "clonecast_prefix_cache_hit_tokens_total",
+    "queued": "clonecast_queue_time_seconds_count",
+}
+
+
+def server_counters(port: int) -> dict:
+    """The server's running totals (COUNTERS, each summed over its labels) and the launched
+    steps' token counts (`tokens`: {bucket edge: steps at or below it}) from /metrics."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+    names = {v: k for k, v in COUNTERS.items()}
+    out: dict = {k: 0.0 for k in COUNTERS} | {"tokens": {}}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        series, _, value = line.rpartition(" ")
+        name = series.split("{")[0]
+        if name in names:
+            out[names[name]] += float(value)
+        elif name == "clonecast_engine_step_tokens_bucket":
+            edge = float(series.split('le="')[1].split('"')[0])
+            out["tokens"][edge] = float(value)
+    return out
 
-    def get(name: str) -> float:  # summed over the series' labels (the step's kind)
-        lines = text.splitlines()
-        return sum(float(x.split()[-1]) for x in lines if x.split("{")[0].split(" ")[0] == name)
 
-    return (
-        get("clonecast_engine_step_seconds_sum"),
-        get("clonecast_engine_step_seconds_count"),
-        get("clonecast_engine_rows_total"),
-    )
+def delta(after: dict, before: dict) -> dict:
+    grown = {k: after[k] - before[k] for k in COUNTERS}
+    grown["tokens"] = {e: n - before["tokens"].get(e, 0.0) for e, n in after["tokens"].items()}
+    return grown
 
 
-async def create_voice(url: str, audio: bytes) -> str:
+async def create_voices(url: str, voices: list[tuple[bytes, str]]) -> list[str]:
+    """Registers every (recording, transcript) on one connection; their voice ids."""
     import websockets
 
+    ids = []
     async with websockets.connect(url, max_size=None) as ws:
         json.loads(await ws.recv())
-        await ws.send(
-            json.dumps(
-                {
-                    "type": "voice.create",
-                    "request_id": "bench",
-                    "audio_b64": base64.b64encode(audio).decode(),
-                    "transcript": "A short reference recording for the benchmark.",
-                }
-            )
-        )
-        while True:
-            data = json.loads(await ws.recv())
-            if data["type"] == "voice.created":
-                return data["voice_id"]
-            if data["type"] == "error":
-                raise RuntimeError(data)
+        for n, (audio, transcript) in enumerate(voices):
+            message = {
+                "type": "voice.create",
+                "request_id": f"bench-{n}",
+                "audio_b64": base64.b64encode(audio).decode(),
+                "transcript": transcript,
+            }
+            await ws.send(json.dumps(message))
+            while True:
+                data = json.loads(await ws.recv())
+                if data["type"] == "voice.created":
+                    ids.append(data["voice_id"])
+                    break
+                if data["type"] == "error":
+                    raise RuntimeError(data)
+    return ids
 
 
-def bench_server(args, eager: bool, out: Path) -> dict:
-    """Every concurrency, `--starts` times; with `--fresh-server` each start gets its own
-    server process (independent starts), otherwise one server serves them all."""
+def bench_server(args, eager: bool, out: Path, num_voices: int) -> dict:
+    """Every concurrency, `--starts` times, each request cloning one of `num_voices` voices;
+    with `--fresh-server` each start gets its own server process (independent starts),
+    otherwise one server serves them all."""
     port = args.port + (1 if eager else 0)
-    log = out / f"server{'-eager' if eager else ''}.log"
+    tag = f"{'-eager' if eager else ''}-v{num_voices}"
+    log = out / f"server{tag}.log"
     url = f"ws://127.0.0.1:{port}/v1/stream"
     runs: dict[int, list] = {int(c): [] for c in args.concurrency.split(",")}
     server = None
@@ -310,9 +358,12 @@ def bench_server(args, eager: bool, out: Path) -> dict:
         for s in range(args.starts):
             if server is None:
                 server = start_server(args.model, port, eager, args.max_num_seqs, log, args.sim)
-                voice = asyncio.run(create_voice(url, reference_wav(args.reference_s)))
+                voice_ids = asyncio.run(create_voices(url, pool(num_voices, seed=num_voices)))
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready") as r:
+                    plan = json.load(r)["plan"]
+                buckets = plan["graph_buckets"] if plan["cuda_graphs"] else []  # []: eager
             for c, starts in runs.items():
-                s0, n0, rows0 = step_stats(port)
+                before = server_counters(port)
                 cpu0 = process_cpu(server.pid)
                 t0 = time.perf_counter()
                 warmup = max(args.warmup, c)
@@ -320,49 +371,54 @@ def bench_server(args, eager: bool, out: Path) -> dict:
                 if c == 1 and args.requests > 0:  # a closed loop of one: fewer suffice
                     warmup, timed = min(warmup, 4), args.c1_requests
                 sampler = RunningSampler(port)
+                timed_s = args.timed_s if c > 1 else 0.0  # C = 1: a count (c1-requests)
                 recs, every, end = asyncio.run(
-                    run_load(url, voice, c, warmup, timed, seed=1000 * c + s)
+                    run_load(url, voice_ids, c, warmup, timed, 1000 * c + s, timed_s)
                 )
                 running, waiting = sampler.stop(min(r.sent for r in recs), end)
-                window_rows = sampler.window_rows
-                window_ms = (sampler.window_wall_ms, sampler.window_step_ms)
-                s1, n1, rows1 = step_stats(port)
+                grown = delta(server_counters(port), before)
                 load_s = time.perf_counter() - t0
                 cpu = {
                     k: (v - cpu0.get(k, 0.0)) / load_s for k, v in process_cpu(server.pid).items()
                 }
-                window = saturated(recs, every, end)
-                summary = summarise(recs, window)
-                summary["window"] = window
+                summary = summarise(recs, saturated(recs, every, end))
                 summary["cpu_cores"] = cpu
                 summary["mean_running"], summary["mean_waiting"] = running, waiting
-                steps = max(1, n1 - n0)
-                summary["rows_per_step"] = (rows1 - rows0) / steps
-                summary["window_rows_per_step"] = window_rows
-                summary["window_wall_ms"], summary["window_step_ms"] = window_ms
+                steps = max(1.0, grown["steps"])
+                summary["rows_per_step"] = grown["rows"] / steps
+                summary["step_ms"] = grown["step_s"] / steps * 1e3
+                summary["loop_ms"] = load_s / steps * 1e3  # wall per step, idle included
+                summary["window_rows_per_step"] = sampler.window_rows
+                summary["window_wall_ms"] = sampler.window_wall_ms
+                summary["window_step_ms"] = sampler.window_step_ms
                 summary["window_phase_ms"] = sampler.window_phase_ms
                 summary["window_long_steps"] = sampler.window_long_steps
-                summary["loop_ms"] = load_s / steps * 1e3  # wall per step, idle included
+                summary["metrics_scrape_ms"] = sampler.scrape_ms
+                # the workload as the engine saw it (warm-up included: whole-load totals)
+                prompts = grown["prefill"] + grown["prefix_hits"]
+                summary["prefix_hit_share"] = grown["prefix_hits"] / prompts if prompts else 0.0
+                summary["prefill_per_request"] = grown["prefill"] / max(1.0, grown["queued"])
+                summary["voices"] = num_voices
+                summary["step_tokens"] = grown["tokens"]
+                summary["graph_buckets"] = buckets
                 print(
-                    f"C={c} start {s + 1}: saturated window: mean running {running:.1f}, "
-                    f"waiting {waiting:.1f}, {window_rows:.1f} rows a step, "
-                    f"{window_ms[0]:.2f} ms of wall and {window_ms[1]:.2f} ms in step() a "
-                    f"step ("
+                    f"{num_voices} voices C={c} start {s + 1}: saturated window "
+                    f"{summary['saturated_s']:.1f} s ({summary['window_requests']} requests done "
+                    f"in it): mean running {running:.1f}, waiting {waiting:.1f}, "
+                    f"{sampler.window_rows:.1f} rows a step, {sampler.window_wall_ms:.2f} ms of "
+                    f"wall and {sampler.window_step_ms:.2f} ms in step() a step ("
                     + ", ".join(f"{k} {v:.2f}" for k, v in sampler.window_phase_ms.items())
-                    + f"), {sampler.window_long_steps:.0f} steps over 20 ms, "
-                    f"client gap "
-                    f"{summary['client_gap_ms']:.1f} ms, saturated window {window[1]:.1f} s; "
-                    f"whole load: {summary['rows_per_step']:.1f} rows a step, "
-                    f"{summary['loop_ms']:.2f} ms of wall a step; CPU cores busy: "
+                    + f"), {sampler.window_long_steps:.0f} steps over 20 ms; prefix hits "
+                    f"{summary['prefix_hit_share']:.0%} of prompt positions, "
+                    f"{summary['prefill_per_request']:.0f} computed per request; /metrics "
+                    f"answered in {sampler.scrape_ms[0]:.1f} ms mean, {sampler.scrape_ms[1]:.1f} "
+                    f"max; client gap {summary['client_gap_ms']:.1f} ms; CPU cores busy: "
                     + ", ".join(f"{k} {v:.2f}" for k, v in cpu.items()),
                     flush=True,
                 )
-                partial = {str(k): [x for x, _ in v] for k, v in runs.items()}
-                (out / f"partial{'-eager' if eager else ''}.json").write_text(
-                    json.dumps(partial, indent=1)
-                )
-                summary["step_ms"] = (s1 - s0) / max(1, n1 - n0) * 1e3
                 starts.append((summary, recs))
+                partial = {str(k): [x for x, _ in v] for k, v in runs.items()}
+                (out / f"partial{tag}.json").write_text(json.dumps(partial, indent=1))
             if args.fresh_server:
                 _stop(server)
                 server = None
@@ -371,15 +427,32 @@ def bench_server(args, eager: bool, out: Path) -> dict:
             _stop(server)
     results = {}
     for c, starts in runs.items():
-        windows = [s["window"] for s, _ in starts]
-        pool = summarise(
-            [r for _, recs in starts for r in recs],
-            (sum(w[0] for w in windows), sum(w[1] for w in windows)),
-            wall=sum(s["wall_s"] for s, _ in starts),
-        )
-        pool["step_ms"] = statistics.fmean(s["step_ms"] for s, _ in starts)
-        results[c] = [s for s, _ in starts] + [pool]
+        results[c] = [s for s, _ in starts] + [pooled([s for s, _ in starts], starts)]
     return results
+
+
+def pooled(summaries: list[dict], starts) -> dict:
+    """The starts together: every record's latencies, the windows' audio and wall summed,
+    the per-start audio-s/s range, the mean of the per-start engine figures."""
+    windows = [(s["window_audio_s"], s["saturated_s"], s["window_requests"]) for s in summaries]
+    pool_ = summarise(
+        [r for _, recs in starts for r in recs],
+        tuple(sum(w[i] for w in windows) for i in range(3)),
+        wall=sum(s["wall_s"] for s in summaries),
+    )
+    rates = [s["audio_s_per_s"] for s in summaries]
+    pool_["audio_s_per_s_range"] = (min(rates), max(rates))
+    pool_["starts"] = len(summaries)
+    for key in ("step_ms", "prefix_hit_share", "prefill_per_request", "window_step_ms"):
+        pool_[key] = statistics.fmean(s[key] for s in summaries)
+    pool_["voices"] = summaries[0]["voices"]
+    pool_["graph_buckets"] = summaries[0]["graph_buckets"]
+    tokens: dict[float, float] = {}
+    for s in summaries:
+        for edge, n in s["step_tokens"].items():
+            tokens[edge] = tokens.get(edge, 0.0) + n
+    pool_["step_tokens"] = tokens
+    return pool_
 
 
 def _stop(proc) -> None:
@@ -401,8 +474,20 @@ def main() -> None:
         default=64,
         help="excluded requests, at least C (fewer would time the cold ramp); -1: C",
     )
+    ap.add_argument(
+        "--timed-s",
+        type=float,
+        default=0.0,
+        help="at C > 1, time every request sent within this many seconds instead of --requests "
+        "(a saturated window of at least that long at any concurrency)",
+    )
     ap.add_argument("--starts", type=int, default=3)
-    ap.add_argument("--reference-s", type=float, default=4.0)
+    ap.add_argument(
+        "--voices",
+        default="64,1",
+        help="voice pool sizes, one run each: 64 distinct 3-6 s references (each clone prompt "
+        "its own) and 1 (the prefix cache serves almost every prompt)",
+    )
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--port", type=int, default=8790)
     ap.add_argument("--c1-requests", type=int, default=32, help="timed requests at C=1")
@@ -421,12 +506,16 @@ def main() -> None:
     if args.write_full:
         write_full(Path(args.write_full))
         args.model = args.write_full
-    runs = {"default": bench_server(args, eager=False, out=out)}
+    ident = identity(args, ap)
+    print(describe_identity(ident), flush=True)
+    sizes = [int(v) for v in args.voices.split(",")]
+    runs = {f"v{n}": bench_server(args, eager=False, out=out, num_voices=n) for n in sizes}
     if args.eager:
         args.concurrency, args.requests = args.eager_concurrency, args.eager_requests
         args.starts, args.warmup = 1, -1
-        runs["eager"] = bench_server(args, eager=True, out=out)
-    (out / "serve_bench.json").write_text(json.dumps(runs, indent=2))
+        runs[f"eager-v{sizes[-1]}"] = bench_server(args, True, out, sizes[-1])
+    (out / "serve_bench.json").write_text(json.dumps({"identity": ident, **runs}, indent=2))
+    print(describe_identity(ident))
     print_table(runs)
 
 
@@ -434,73 +523,6 @@ def write_full(path: Path) -> None:
     from engine.checkpoint_writer import write_full_size_checkpoint
 
     write_full_size_checkpoint(path)
-
-
-ROW = (
-    "{:<7}{:>4}{:>6}{:>10.1f}{:>7.1f}{:>7.1f}{:>10.1f}{:>7.1f}{:>7.1f}{:>7.1f}{:>8.2f}{:>10}"
-    "{:>8.2f}  {}"
-)
-
-
-def print_table(runs: dict) -> None:
-    head = (
-        "mode",
-        "C",
-        "start",
-        "audio-s/s",
-        "whole",
-        "req/s",
-        "TTFA mean",
-        "P50",
-        "P95",
-        "P99",
-        "compl s",
-        "underruns",
-        "step ms",
-        "first bytes",
-    )
-    print(
-        "\n"
-        + "{:<7}{:>4}{:>6}{:>10}{:>7}{:>7}{:>10}{:>7}{:>7}{:>7}{:>8}{:>10}{:>8}  {}".format(*head)
-    )
-    for mode, per_c in runs.items():
-        for c, starts in per_c.items():
-            for i, s in enumerate(starts):
-                label = "pool" if i == len(starts) - 1 else str(i + 1)
-                row = (
-                    mode,
-                    c,
-                    label,
-                    s["audio_s_per_s"],
-                    s["audio_s_per_s_whole"],
-                    s["requests_per_s"],
-                    s["ttfa_mean"],
-                    s["ttfa_p50"],
-                    s["ttfa_p95"],
-                    s["ttfa_p99"],
-                    s["completion_mean"],
-                    s["underruns"],
-                    s["step_ms"],
-                    s["first_payloads"],
-                )
-                print(ROW.format(*row))
-
-    if 64 in runs["default"]:
-        step = runs["default"][64][-1]["step_ms"]
-        print(
-            f"served step at C=64: {step:.2f} ms (decode and prefill mixed, codec on its own "
-            f"stream); decode-step floor at batch 64, 400-token context: {floor_ms(64, 400):.2f}"
-            f" ms (x{step / floor_ms(64, 400):.2f}); the clean decode step: eager_step.py"
-        )
-    if "eager" in runs:
-        for c, starts in runs["eager"].items():
-            if c in runs["default"]:
-                g, e = runs["default"][c][-1], starts[-1]
-                ratio = g["audio_s_per_s"] / e["audio_s_per_s"]
-                print(
-                    f"graphs vs eager at C={c}: audio-s/s x{ratio:.2f}, "
-                    f"first audio mean x{e['ttfa_mean'] / g['ttfa_mean']:.2f} faster"
-                )
 
 
 if __name__ == "__main__":

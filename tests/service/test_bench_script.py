@@ -21,23 +21,32 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _bench(tmp_path, model_cache, *extra: str) -> tuple[dict, str]:
-    """serve_bench at C = 2 (1 warm-up, 3 timed requests, one start): the pooled figures."""
+def _bench(tmp_path, model_cache, *extra: str, voices: int = 1) -> tuple[dict, str]:
+    """serve_bench at C = 2 (1 warm-up, 3 timed requests, one start, a pool of `voices`):
+    the pooled figures."""
     port = _free_port()
     env = {**os.environ, "CLONECAST_CACHE_DIR": str(model_cache), "CLONECAST_DEVICE": "cpu"}
     cmd = [sys.executable, "benchmarks/serve_bench.py", *extra, "--concurrency", "2"]
     cmd += ["--requests", "3", "--warmup", "1", "--starts", "1", "--port", str(port)]
+    cmd += ["--voices", str(voices)]
     cmd += ["--out", str(tmp_path)]
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     runs = json.loads((tmp_path / "serve_bench.json").read_text())
-    return runs["default"]["2"][-1], result.stdout
+    assert runs["identity"]["commit"] and "versions" in runs["identity"]
+    return runs[f"v{voices}"]["2"][-1], result.stdout
 
 
 def test_serve_bench_smoke(tmp_path, model_cache):
-    pool, stdout = _bench(tmp_path, model_cache)
+    """Four distinct voices: each prompt is mostly its own (few prefix hits), and the report
+    says what it measured and that one start is not a valid result."""
+    pool, stdout = _bench(tmp_path, model_cache, voices=4)
     assert pool["first_payloads"] == [15360]
     assert pool["audio_s_per_s"] > 0 and pool["ttfa_p50"] > 0
+    assert pool["voices"] == 4 and pool["prefill_per_request"] > 75  # 3-6 s references
+    assert pool["window_requests"] >= 1 and pool["underruns_per_1000"] >= 0
+    assert "commit " in stdout and "NOT VALID (1 starts < 3" in stdout
+    assert "steps per graph bucket" not in stdout  # the CPU runs eagerly: no buckets
     assert "pool" in stdout
 
 
@@ -48,7 +57,7 @@ def test_simulated_server_runs_the_same_protocol(tmp_path, model_cache):
     assert pool["first_payloads"] == [15360]
     assert pool["ttfa_mean"] >= 15 * 20  # the simulated step time really paces the engine
     # the server's own figures inside the saturated window (benchmarks/metrics_window.py)
-    start = json.loads((tmp_path / "serve_bench.json").read_text())["default"]["2"][0]
+    start = json.loads((tmp_path / "serve_bench.json").read_text())["v1"]["2"][0]
     # A step takes no longer than the wall time per step, up to the window's edges: the
     # engine reports its step times in batches (every 50 ms), so a window can count a step or
     # two that ran just outside it (seen: 19.9 ms a step against 19.7 of wall time).
@@ -75,3 +84,32 @@ def test_benchmark_config_overrides_parse_and_refuse_bad_items():
     }
     with pytest.raises(SystemExit, match="FIELD=VALUE"):
         overrides(["attention_backend"])
+
+
+def test_the_report_shares_steps_by_graph_bucket_and_judges_validity():
+    from benchmarks.bench_report import bucket_shares, validity, verdicts
+
+    # cumulative step-token histogram: 60 steps <= 64 tokens, 30 more <= 256, 10 above 512
+    hist = {1.0: 0, 2.0: 0, 64.0: 60, 128.0: 60, 256.0: 90, 272.0: 90, 512.0: 90}
+    hist[float("inf")] = 100
+    shares = bucket_shares(hist, [1, 2, 64, 256, 512])
+    assert shares == {64: 0.6, 256: 0.3, "eager": 0.1}
+    assert bucket_shares(hist, []) == {}
+    with pytest.raises(ValueError, match="no edge at graph bucket 32"):
+        bucket_shares(hist, [32, 64])
+    from engine.plan import DEFAULT_BUCKETS
+    from service.metrics import TOKEN_BUCKETS
+
+    assert set(DEFAULT_BUCKETS) <= set(TOKEN_BUCKETS)  # the server's histogram has every edge
+    starts = [{"saturated_s": 12.0}, {"saturated_s": 11.0}, {"saturated_s": 10.5}]
+    pool = {"audio_s_per_s": 100.0, "audio_s_per_s_range": (98.0, 102.0)}
+    assert validity(pool, starts) == "VALID"
+    pool["audio_s_per_s_range"] = (90.0, 102.0)
+    assert validity(pool, starts[:2]) == "NOT VALID (2 starts < 3; spread 12.0% > 5%)"
+    figures = {"audio_s_per_s": 650.0, "ttfa_mean": 90.0, "ttfa_p95": 160.0, "underruns": 0}
+    assert verdicts(64, figures) == [
+        "audio_s_per_s 650.0 >= 600: PASS",
+        "ttfa_mean 90.0 <= 100: PASS",
+        "ttfa_p95 160.0 <= 150: FAIL",
+        "underruns 0.0 <= 0: PASS",
+    ]
