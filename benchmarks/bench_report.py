@@ -6,6 +6,7 @@ least 3 starts, a spread of audio-s/s within 5% and saturated windows of at leas
 
 from __future__ import annotations
 
+import os
 import platform
 import subprocess
 import sys
@@ -50,9 +51,14 @@ def identity(args, parser) -> dict:
         ]
     ).strip()
     settings = {k: v for k, v in vars(args).items() if k != "out" and parser.get_default(k) != v}
+    # A copied tree (the GPU machine's) may carry a stale .git: the caller then names the
+    # commit it copied, clean, in BENCH_COMMIT.
+    given = os.environ.get("BENCH_COMMIT")
     return {
-        "commit": _run(["git", "rev-parse", "--short", "HEAD"]).strip() or "?",
-        "dirty": bool(_run(["git", "status", "--porcelain", "--untracked-files=no"]).strip()),
+        "commit": given or _run(["git", "rev-parse", "--short", "HEAD"]).strip() or "?",
+        "dirty": False
+        if given
+        else bool(_run(["git", "status", "--porcelain", "--untracked-files=no"]).strip()),
         "gpu": gpu or "none (nvidia-smi absent)",
         "versions": versions,
         "settings": settings,

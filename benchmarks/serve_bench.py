@@ -231,7 +231,13 @@ def client_gap(records: list[Record]) -> float:
 
 
 def start_server(
-    model: str | None, port: int, eager: bool, max_num_seqs: int, log: Path, sim: str | None
+    model: str | None,
+    port: int,
+    eager: bool,
+    max_num_seqs: int,
+    log: Path,
+    sim: str | None,
+    prefix_caching: bool = True,
 ):
     cmd = [sys.executable, "-m", "service.cli", "serve", "--log-level", "warning"]
     if sim is not None:  # the host side for real, GPU work simulated (benchmarks/sim_server.py)
@@ -242,8 +248,9 @@ def start_server(
         cmd += ["--model", model]
     if eager:
         cmd.append("--eager")
+    env_extra = {} if prefix_caching else {"CLONECAST_PREFIX_CACHING": "0"}
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    env = {**os.environ, "PYTHONPATH": path}
+    env = {**os.environ, "PYTHONPATH": path, **env_extra}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline:
@@ -344,12 +351,13 @@ async def create_voices(url: str, voices: list[tuple[bytes, str]]) -> list[str]:
     return ids
 
 
-def bench_server(args, eager: bool, out: Path, num_voices: int) -> dict:
-    """Every concurrency, `--starts` times, each request cloning one of `num_voices` voices;
+def bench_server(args, eager: bool, out: Path, num_voices: int, cold: bool = False) -> dict:
+    """Every concurrency, `--starts` times, each request cloning one of `num_voices` voices
+    (`cold`: on a server without prefix caching, so every clone prompt is computed in full);
     with `--fresh-server` each start gets its own server process (independent starts),
     otherwise one server serves them all."""
     port = args.port + (1 if eager else 0)
-    tag = f"{'-eager' if eager else ''}-v{num_voices}"
+    tag = f"{'-eager' if eager else ''}-v{num_voices}{'-cold' if cold else ''}"
     log = out / f"server{tag}.log"
     url = f"ws://127.0.0.1:{port}/v1/stream"
     runs: dict[int, list] = {int(c): [] for c in args.concurrency.split(",")}
@@ -357,7 +365,9 @@ def bench_server(args, eager: bool, out: Path, num_voices: int) -> dict:
     try:
         for s in range(args.starts):
             if server is None:
-                server = start_server(args.model, port, eager, args.max_num_seqs, log, args.sim)
+                server = start_server(
+                    args.model, port, eager, args.max_num_seqs, log, args.sim, not cold
+                )
                 voice_ids = asyncio.run(create_voices(url, pool(num_voices, seed=num_voices)))
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready") as r:
                     plan = json.load(r)["plan"]
@@ -484,9 +494,10 @@ def main() -> None:
     ap.add_argument("--starts", type=int, default=3)
     ap.add_argument(
         "--voices",
-        default="64,1",
-        help="voice pool sizes, one run each: 64 distinct 3-6 s references (each clone prompt "
-        "its own) and 1 (the prefix cache serves almost every prompt)",
+        default="64cold,64,1",
+        help="voice pools, one run each: 64cold, 64 distinct 3-6 s references on a server "
+        "without prefix caching (every clone prompt computed in full, ~200 positions); 64, "
+        "the same with prefix caching (a voice used again reuses its prompt); 1, one voice",
     )
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--port", type=int, default=8790)
@@ -508,8 +519,10 @@ def main() -> None:
         args.model = args.write_full
     ident = identity(args, ap)
     print(describe_identity(ident), flush=True)
-    sizes = [int(v) for v in args.voices.split(",")]
-    runs = {f"v{n}": bench_server(args, eager=False, out=out, num_voices=n) for n in sizes}
+    pools = [(int(v.removesuffix("cold")), v.endswith("cold")) for v in args.voices.split(",")]
+    runs = {f"v{v}": bench_server(args, False, out, n, cold) for v, (n, cold) in zip(
+        args.voices.split(","), pools, strict=True)}  # fmt: skip
+    sizes = [n for n, _ in pools]
     if args.eager:
         args.concurrency, args.requests = args.eager_concurrency, args.eager_requests
         args.starts, args.warmup = 1, -1

@@ -167,6 +167,7 @@ def serve(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs,
         cuda_graphs=False if args.eager else None,
         kv_cache_dtype=args.kv_cache_dtype,
+        prefix_caching=False if args.no_prefix_caching else None,
     )
     app = create_app(settings)
     print(
@@ -195,6 +196,12 @@ def main(argv: list[str] | None = None) -> int:
         "--kv-cache-dtype",
         choices=("auto", "fp8"),
         help="KV cache element type (default auto: the model's; fp8: twice the blocks, lossy)",
+    )
+    v.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="compute every prompt in full, never reusing an earlier prompt's KV blocks "
+        "(a worst-case measure; default: reuse)",
     )
     v.add_argument("--log-level", default="info")
     v.set_defaults(func=serve)

@@ -16,6 +16,8 @@ variables (all named CLONECAST_*).
 | CLONECAST_EAGER | 1: no CUDA graphs (debugging, comparison) |
 | CLONECAST_KV_CACHE_DTYPE | auto (the model's dtype) or fp8: a float8 KV cache, twice the |
 |  | blocks and half the attention reads, lossy (EngineConfig.kv_cache_dtype) |
+| CLONECAST_PREFIX_CACHING | 1 (default): prompts reuse the KV blocks of an earlier prompt's |
+|  | prefix (a voice used again); 0: every prompt computed in full (a worst-case measure) |
 | CLONECAST_GIL_SWITCH_MS | thread switch interval once ready, ms (0.5; Python's own: 5) |
 | CLONECAST_LOG_FORMAT | plain (default) or json: the one line logged per ended utterance |
 | CLONECAST_ENGINE_PROCESS | 1 (default): the engine in its own process; 0: a server thread |
@@ -77,6 +79,7 @@ class ServiceSettings:
     cuda_graphs: bool = True
     attention_backend: str = "auto"  # the execution plan's (auto: Triton on CUDA, else torch)
     kv_cache_dtype: str = "auto"  # EngineConfig.kv_cache_dtype (fp8: float8 e4m3, lossy)
+    prefix_caching: bool = True  # EngineConfig.enable_prefix_caching
     gil_switch_ms: float = 0.5
     log_format: str = "plain"  # of the per-utterance log line: plain or json
     # The engine in a process of its own (service/engine_client.py): the server's event
@@ -107,6 +110,7 @@ class ServiceSettings:
             cuda_graphs=env.get("CLONECAST_EAGER", "0") not in ("1", "true", "yes"),
             attention_backend=env.get("CLONECAST_ATTENTION_BACKEND", "auto"),
             kv_cache_dtype=env.get("CLONECAST_KV_CACHE_DTYPE", "auto"),
+            prefix_caching=env.get("CLONECAST_PREFIX_CACHING", "1") not in ("0", "false", "no"),
             gil_switch_ms=_positive_ms(env.get("CLONECAST_GIL_SWITCH_MS", "0.5")),
             log_format=_log_format(env.get("CLONECAST_LOG_FORMAT", "plain")),
             engine_process=env.get("CLONECAST_ENGINE_PROCESS", "1") not in ("0", "false", "no"),

@@ -71,3 +71,12 @@ def test_the_wire_constants_are_the_engines():
 
     assert wire.DEFAULT_SAMPLE_RATE == engine.SAMPLE_RATE
     assert engine.MAX_AUDIO_SECONDS == 81.6 and engine.FRAME_MS == 40
+
+
+def test_prefix_caching_can_be_turned_off(monkeypatch):
+    """CLONECAST_PREFIX_CACHING=0 (or `serve --no-prefix-caching`): every prompt computed in
+    full, the engine's configuration says so; on by default."""
+    monkeypatch.delenv("CLONECAST_PREFIX_CACHING", raising=False)
+    assert _engine_config(ServiceSettings.from_env()).enable_prefix_caching is True
+    monkeypatch.setenv("CLONECAST_PREFIX_CACHING", "0")
+    assert _engine_config(ServiceSettings.from_env()).enable_prefix_caching is False
