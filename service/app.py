@@ -107,7 +107,9 @@ class Services:
             kv_cache_dtype=self.settings.kv_cache_dtype,
             enable_prefix_caching=self.settings.prefix_caching,
             row_events=False,  # sessions stream audio chunks and finishes only
-            plan_overrides={} if backend == "auto" else {"attention_backend": backend},
+            plan_overrides=(
+                self.settings.plan | ({} if backend == "auto" else {"attention_backend": backend})
+            ),
         )
 
     async def warm_up(self) -> None:

@@ -18,6 +18,8 @@ variables (all named CLONECAST_*).
 |  | blocks and half the attention reads, lossy (EngineConfig.kv_cache_dtype) |
 | CLONECAST_PREFIX_CACHING | 1 (default): prompts reuse the KV blocks of an earlier prompt's |
 |  | prefix (a voice used again); 0: every prompt computed in full (a worst-case measure) |
+| CLONECAST_PLAN | a JSON object of execution-plan overrides (engine/plan.py's fields), e.g. |
+|  | `{"graph_buckets": [1, 2, 4, 8]}`: how the engine runs, never what it computes |
 | CLONECAST_GIL_SWITCH_MS | thread switch interval once ready, ms (0.5; Python's own: 5) |
 | CLONECAST_LOG_FORMAT | plain (default) or json: the one line logged per ended utterance |
 | CLONECAST_ENGINE_PROCESS | 1 (default): the engine in its own process; 0: a server thread |
@@ -28,6 +30,7 @@ variables (all named CLONECAST_*).
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -80,6 +83,7 @@ class ServiceSettings:
     attention_backend: str = "auto"  # the execution plan's (auto: Triton on CUDA, else torch)
     kv_cache_dtype: str = "auto"  # EngineConfig.kv_cache_dtype (fp8: float8 e4m3, lossy)
     prefix_caching: bool = True  # EngineConfig.enable_prefix_caching
+    plan: dict = field(default_factory=dict)  # ExecutionPlan overrides (checked by the engine)
     gil_switch_ms: float = 0.5
     log_format: str = "plain"  # of the per-utterance log line: plain or json
     # The engine in a process of its own (service/engine_client.py): the server's event
@@ -111,6 +115,7 @@ class ServiceSettings:
             attention_backend=env.get("CLONECAST_ATTENTION_BACKEND", "auto"),
             kv_cache_dtype=env.get("CLONECAST_KV_CACHE_DTYPE", "auto"),
             prefix_caching=env.get("CLONECAST_PREFIX_CACHING", "1") not in ("0", "false", "no"),
+            plan=_plan(env.get("CLONECAST_PLAN")),
             gil_switch_ms=_positive_ms(env.get("CLONECAST_GIL_SWITCH_MS", "0.5")),
             log_format=_log_format(env.get("CLONECAST_LOG_FORMAT", "plain")),
             engine_process=env.get("CLONECAST_ENGINE_PROCESS", "1") not in ("0", "false", "no"),
@@ -150,6 +155,18 @@ def _profile(value: str | None) -> tuple[int, int, str, str, int] | None:
             f"and a running count: {value!r}"
         )
     return skip, steps, path, mode, min_running
+
+
+def _plan(value: str | None) -> dict:
+    if not value:
+        return {}
+    try:
+        plan = json.loads(value)
+    except ValueError:
+        plan = None
+    if not isinstance(plan, dict):
+        raise ValueError(f"CLONECAST_PLAN must be a JSON object of plan fields, got {value!r}")
+    return plan
 
 
 def _log_format(value: str) -> str:

@@ -80,3 +80,20 @@ def test_prefix_caching_can_be_turned_off(monkeypatch):
     assert _engine_config(ServiceSettings.from_env()).enable_prefix_caching is True
     monkeypatch.setenv("CLONECAST_PREFIX_CACHING", "0")
     assert _engine_config(ServiceSettings.from_env()).enable_prefix_caching is False
+
+
+def test_plan_overrides_come_from_a_json_object(monkeypatch):
+    """CLONECAST_PLAN: execution-plan overrides, checked by the engine's configuration (an
+    unknown field is refused there, by name); anything but a JSON object is refused here."""
+    from engine import ConfigError
+
+    monkeypatch.setenv("CLONECAST_PLAN", '{"graph_buckets": [1, 2, 4]}')
+    config = _engine_config(ServiceSettings.from_env(device="cpu"))
+    assert config.plan_overrides == {"graph_buckets": [1, 2, 4]}
+    for bad in ("[1, 2]", "{not json"):
+        monkeypatch.setenv("CLONECAST_PLAN", bad)
+        with pytest.raises(ValueError, match="CLONECAST_PLAN must be a JSON object"):
+            ServiceSettings.from_env()
+    monkeypatch.setenv("CLONECAST_PLAN", '{"graph_bucket": [1]}')
+    with pytest.raises(ConfigError, match="unknown plan override"):
+        _engine_config(ServiceSettings.from_env(device="cpu"))
