@@ -14,7 +14,8 @@
 #                attached D s after the server is ready for S s, server and engine process,
 #                samples holding the interpreter lock, summarised by benchmarks/pyspy_top.py)
 #   PROTOCOL=1   the full served protocol of docs/PERFORMANCE.md (C = 1..256, 3 fresh starts,
-#                10 s timed a point); PROTOCOL_VOICES pool sizes (64,1), PROTOCOL_C, PROTOCOL_S
+#                10 s timed a point); PROTOCOL_VOICES the pools (64cold; 1: one voice; one pool
+#                is a call of 300-360 s), PROTOCOL_C, PROTOCOL_S
 #   STEP_AB      the decode step (eager_step.py) per EngineConfig override set, as LOOP_AB
 #   HOST=1       host work per engine step at C = 64 and 128 (benchmarks/host_cost.py)
 #   GIL_MS="a b" one served start at C = 64 and 128 per GIL switch interval (ms) of the server
@@ -93,7 +94,7 @@ PY
   fi
 fi
 if [ "${PROTOCOL:-0}" = 1 ]; then
-  timeout ${PROTOCOL_LIMIT:-560} python3 benchmarks/serve_bench.py --model $CKPT --concurrency ${PROTOCOL_C:-1,32,64,128,256} --voices ${PROTOCOL_VOICES:-64,1} --timed-s ${PROTOCOL_S:-10} --warmup 64 --c1-requests 12 --starts 3 --fresh-server --max-num-seqs 256 ${PROTOCOL_ARGS:-} --out "$OUT/protocol" > "$OUT/protocol.log" 2>&1
+  timeout ${PROTOCOL_LIMIT:-560} python3 benchmarks/serve_bench.py --model $CKPT --concurrency ${PROTOCOL_C:-1,32,64,128,256} --voices ${PROTOCOL_VOICES:-64cold} --timed-s ${PROTOCOL_S:-10} --warmup 64 --starts 3 --fresh-server --max-num-seqs 256 ${PROTOCOL_ARGS:-} --out "$OUT/protocol" > "$OUT/protocol.log" 2>&1
   grep -v "^[0-9]* voices C=" "$OUT/protocol.log" | tail -60
 fi
 for g in ${GIL_MS:-}; do

@@ -147,8 +147,8 @@ async def run_load(
             return True
         if not timed_s:
             return i < warmup + timed
-        if not deadline:
-            deadline.append(time.perf_counter() + timed_s)
+        if not deadline:  # this request opens the window: it lasts timed_s from its send
+            deadline.append(time.perf_counter() + timed_s + 1e-3)
         return time.perf_counter() < deadline[0]
 
     async def client(c: int) -> None:
@@ -381,9 +381,8 @@ def bench_server(args, eager: bool, out: Path, num_voices: int, cold: bool = Fal
                 if c == 1 and args.requests > 0:  # a closed loop of one: fewer suffice
                     warmup, timed = min(warmup, 4), args.c1_requests
                 sampler = RunningSampler(port)
-                timed_s = args.timed_s if c > 1 else 0.0  # C = 1: a count (c1-requests)
                 recs, every, end = asyncio.run(
-                    run_load(url, voice_ids, c, warmup, timed, 1000 * c + s, timed_s)
+                    run_load(url, voice_ids, c, warmup, timed, 1000 * c + s, args.timed_s)
                 )
                 running, waiting = sampler.stop(min(r.sent for r in recs), end)
                 grown = delta(server_counters(port), before)
@@ -488,8 +487,8 @@ def main() -> None:
         "--timed-s",
         type=float,
         default=0.0,
-        help="at C > 1, time every request sent within this many seconds instead of --requests "
-        "(a saturated window of at least that long at any concurrency)",
+        help="time every request sent within this many seconds instead of --requests (and "
+        "--c1-requests): a saturated window of at least that long at any concurrency",
     )
     ap.add_argument("--starts", type=int, default=3)
     ap.add_argument(
