@@ -8,6 +8,8 @@ import asyncio
 import contextlib
 import logging
 import sys
+import time
+from pathlib import Path
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -32,6 +34,7 @@ from service.engine_host import EngineSpec, settle_garbage_collector
 from service.http_api import (
     health,
     http_error,
+    list_models,
     list_voices,
     metrics,
     ready,
@@ -66,6 +69,7 @@ class Services:
         self.worker: EngineClient | None = None
         self.is_ready = False
         self.connections = 0
+        self.started = int(time.time())  # when this server started (GET /v1/models)
 
     def start(self) -> None:
         if self.engine is None and self.settings.engine_process:
@@ -154,6 +158,8 @@ class Services:
         info = self.worker.info
         untrained = info.is_default_model
         return {
+            # what OpenAI-style clients pass as `model` (GET /v1/models lists it)
+            "id": "clonecast-default" if untrained else Path(info.checkpoint).name,
             "name": "embedded-default (untrained)" if untrained else info.checkpoint,
             "untrained": untrained,
             "notice": UNTRAINED_NOTICE if untrained else None,
@@ -185,6 +191,7 @@ def create_app(settings: ServiceSettings | None = None, engine: Engine | None = 
     routes = [
         WebSocketRoute("/v1/stream", stream_endpoint),
         Route("/v1/audio/speech", speech, methods=["POST"]),
+        Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/tokens", token_create, methods=["POST"]),
         Route("/v1/voices", voice_create, methods=["POST"]),
         Route("/v1/voices", list_voices, methods=["GET"]),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import json
 import uuid
 
 from starlette.exceptions import HTTPException
@@ -13,6 +14,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from engine import ConfigError
+from service.audio_containers import CONTAINERS, ContainerEncoder, check_rate
 from service.audio_format import wav_header
 from service.auth import extract_key, key_allowed
 from service.protocol import ProtocolError, check_transcript, loads_json, parse_params
@@ -26,8 +28,39 @@ MEDIA_TYPES = {
     "pcm16": "audio/pcm",
     "f32": "audio/x-f32le",
     "mulaw": "audio/basic",
+    **{name: media for name, (_, _, media) in CONTAINERS.items()},
 }
-FORMAT_ALIASES = {"wav": "wav", "pcm": "pcm16", "pcm16": "pcm16", "f32": "f32", "mulaw": "mulaw"}
+# response_format -> the utterance's output format (containers encode its PCM16 here)
+FORMAT_ALIASES = {
+    "wav": "wav",
+    "pcm": "pcm16",
+    "pcm16": "pcm16",
+    "f32": "f32",
+    "mulaw": "mulaw",
+    **{name: "pcm16" for name in CONTAINERS},
+}
+# The body of POST /v1/audio/speech: OpenAI's fields, then the project's own. Anything else
+# is refused by name, never ignored.
+SPEECH_FIELDS = (
+    "model",
+    "input",
+    "voice",
+    "response_format",
+    "speed",
+    "stream_format",
+    "stream",
+    "sample_rate",
+    "temperature",
+    "top_k",
+    "top_p",
+    "seed",
+    "max_duration_s",
+)
+NOT_SUPPORTED = {
+    "instructions": "'instructions' is not supported: the voice comes from the reference "
+    "recording (voice), not from a description",
+}
+STREAM_FORMATS = ("audio", "sse")
 STATUS = {
     "unauthorized": 401,
     "unknown_voice": 404,
@@ -196,6 +229,23 @@ async def voice_delete(request: Request) -> Response:
     return Response(status_code=204)
 
 
+async def list_models(request: Request) -> Response:
+    """OpenAI's model list: the one model this server serves (its id is `model` in speech)."""
+    if not _authorized(request):
+        return error(request, "unauthorized", "a valid API key is required")
+    services = _services(request)
+    if not services.is_ready:
+        return error(request, "not_ready", "the model is loading or warming up")
+    info = services.model_info()
+    model = {
+        "id": info["id"],
+        "object": "model",
+        "created": services.started,
+        "owned_by": "clonecast",
+    }
+    return JSONResponse({"object": "list", "data": [model]})
+
+
 async def speech(request: Request) -> Response:
     """OpenAI-style speech: `{"input", "voice", "response_format", "stream"}` plus our extras."""
     if not _authorized(request):
@@ -217,12 +267,14 @@ async def speech(request: Request) -> Response:
         return error(request, getattr(exc, "code", "bad_parameter"), str(exc))
     if services.worker.num_waiting >= services.settings.limits.max_waiting_requests:
         return error(request, "over_capacity", "the server is at capacity: retry shortly")
-    fmt, stream = job["format"], body.get("stream", False)
-    if not isinstance(stream, bool):
-        return error(request, "bad_request", "'stream' must be true or false")
-    chunks = _generate(services, job)
-    if stream:
-        return StreamingResponse(chunks, media_type=MEDIA_TYPES[fmt.format])
+    fmt, container = job["format"], job["container"]
+    media = MEDIA_TYPES[job["response_format"]]
+    encoder = ContainerEncoder(container, fmt.sample_rate) if container else None
+    chunks = _generate(services, job, encoder)
+    if job["stream"] == "sse":
+        return StreamingResponse(_sse(chunks), media_type="text/event-stream")
+    if job["stream"] == "audio":
+        return StreamingResponse(chunks, media_type=media)
     collecting = asyncio.ensure_future(_collect(chunks))
     while not collecting.done():
         await asyncio.wait({collecting}, timeout=DISCONNECT_POLL_S)
@@ -234,9 +286,31 @@ async def speech(request: Request) -> Response:
         audio = collecting.result()
     except _BadInput as exc:
         return error(request, exc.code, f"generation failed: {exc}", 500, count=False)
-    if fmt.format == "wav":  # a proper header with sizes for a complete file
+    if encoder is not None:  # the complete file, with what its encoder filled in at the end
+        audio = encoder.whole()
+    elif fmt.format == "wav":  # a proper header with sizes for a complete file
         audio = wav_header(fmt.sample_rate, len(audio) - 44) + audio[44:]
-    return Response(audio, media_type=MEDIA_TYPES[fmt.format])
+    return Response(audio, media_type=media)
+
+
+async def _sse(chunks):
+    """OpenAI's `stream_format: "sse"`: each piece of audio as a `speech.audio.delta` event
+    (base64 of the response format's bytes), then `speech.audio.done`; a failure after the
+    start is an `error` event in the API's error shape (the status is already sent)."""
+
+    def event(payload: dict) -> bytes:
+        return f"data: {json.dumps(payload)}\n\n".encode()
+
+    try:
+        async for data in chunks:
+            if data:
+                yield event(
+                    {"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()}
+                )
+    except _BadInput as exc:
+        yield event({"type": "error", "error": {"code": exc.code, "message": str(exc)}})
+        return
+    yield event({"type": "speech.audio.done"})
 
 
 DISCONNECT_POLL_S = 0.25  # a non-streamed speech request checks this often for its client
@@ -272,6 +346,20 @@ class _BadInput(ConfigError):
 
 
 def _speech_job(body: dict, services) -> dict:
+    unknown = sorted(set(body) - set(SPEECH_FIELDS))
+    for name in unknown:
+        if name in NOT_SUPPORTED:
+            raise _BadInput("bad_parameter", NOT_SUPPORTED[name])
+    if unknown:
+        raise _BadInput(
+            "unknown_field", f"unknown field(s) {unknown}; known: {', '.join(SPEECH_FIELDS)}"
+        )
+    served = services.model_info()["id"]
+    model = body.get("model", served)
+    if model != served:
+        raise _BadInput(
+            "unknown_model", f"'model' must be {served!r} (GET /v1/models), got {model!r}"
+        )
     text = body.get("input")
     limits = services.settings.limits
     if not isinstance(text, str):
@@ -285,6 +373,8 @@ def _speech_job(body: dict, services) -> dict:
     if body.get("speed", 1.0) != 1.0:
         raise _BadInput("bad_parameter", "'speed' is not supported (only 1.0)")
     voice_name = body.get("voice", "default")
+    if isinstance(voice_name, dict) and set(voice_name) == {"id"}:  # OpenAI's {"id": ...}
+        voice_name = voice_name["id"]
     if voice_name is not None and not isinstance(voice_name, str):
         raise _BadInput("bad_request", "'voice' must be a voice_id string or \"default\"")
     reference = None
@@ -296,6 +386,10 @@ def _speech_job(body: dict, services) -> dict:
             )
         reference = voice.reference
     fmt_name = body.get("response_format", "wav")
+    if fmt_name == "aac":
+        raise _BadInput(
+            "bad_parameter", "response_format 'aac' has no encoder here: use mp3, opus or flac"
+        )
     if not isinstance(fmt_name, str) or fmt_name not in FORMAT_ALIASES:
         raise _BadInput("bad_parameter", f"response_format must be one of {sorted(FORMAT_ALIASES)}")
     output = {"format": FORMAT_ALIASES[fmt_name]}
@@ -313,6 +407,12 @@ def _speech_job(body: dict, services) -> dict:
         raise _BadInput(exc.code, str(exc)) from exc
     except ConfigError as exc:
         raise _BadInput("bad_request", str(exc)) from exc
+    container = fmt_name if fmt_name in CONTAINERS else None
+    if container:
+        try:
+            check_rate(container, fmt.sample_rate)
+        except ValueError as exc:
+            raise _BadInput("bad_parameter", str(exc)) from exc
     voice_id = voice_name if reference is not None else None
     return {
         "segments": segments,
@@ -320,7 +420,26 @@ def _speech_job(body: dict, services) -> dict:
         "voice_id": voice_id,
         "params": params,
         "format": fmt,
+        "response_format": fmt_name if container else fmt.format,
+        "container": container,
+        "stream": _stream_mode(body),
     }
+
+
+def _stream_mode(body: dict) -> str | None:
+    """None (one complete body), "audio" (bytes as they are made) or "sse" (events):
+    OpenAI's `stream_format`, or the project's `stream: true` (the same as "audio")."""
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise _BadInput("bad_request", "'stream' must be true or false")
+    mode = body.get("stream_format")
+    if mode is None:
+        return "audio" if stream else None
+    if mode not in STREAM_FORMATS:
+        raise _BadInput("bad_parameter", f"stream_format must be one of {list(STREAM_FORMATS)}")
+    if "stream" in body and not stream:
+        raise _BadInput("bad_request", "'stream': false contradicts 'stream_format'")
+    return mode
 
 
 class _Collector:
@@ -344,10 +463,11 @@ class _Collector:
         self.queue.put_nowait(_BadInput(code, message))
 
 
-async def _generate(services, job: dict):
+async def _generate(services, job: dict, container: ContainerEncoder | None = None):
     """The request's utterance (the same runner as the WebSocket's: two segments in flight,
-    audio in order); yields encoded audio as it is produced. Closing the generator (the client
-    went away) aborts the running requests."""
+    audio in order); yields encoded audio as it is produced (through `container` when the
+    response is FLAC, MP3 or Opus). Closing the generator (the client went away) aborts the
+    running requests."""
     collector = _Collector()
     uid = f"http-{uuid.uuid4().hex[:12]}"
     loop = asyncio.get_running_loop()
@@ -373,8 +493,12 @@ async def _generate(services, job: dict):
                 report.stopped(utt, "error", item.code)
                 raise item
             data, audio_bytes = item
+            if container is not None:
+                data = container.encode(data)
             report.audio_sent(utt, audio_bytes, len(data))  # handed to the response now
             yield data
+        if container is not None:
+            yield container.finish()
         report.done(utt)
     finally:
         if utt.state is State.RUNNING:

@@ -272,13 +272,14 @@ def test_speech_unknown_voice(server):
     [
         {"speed": 2.0},
         {"speed": 0.5},
-        {"response_format": "mp3"},
+        {"response_format": "aac"},
+        {"response_format": "opus", "sample_rate": 22050},
         {"sample_rate": 11025},
         {"temperature": -1},
         {"top_p": 0},
         {"top_k": -2},
     ],
-    ids=["speed-2", "speed-0.5", "mp3", "rate", "temperature", "top_p", "top_k"],
+    ids=["speed-2", "speed-0.5", "aac", "opus-rate", "rate", "temperature", "top_p", "top_k"],
 )
 def test_speech_bad_parameter(server, body):
     _error(_speech(server, **body), 400, "bad_parameter")
