@@ -51,6 +51,7 @@ from service.web_files import WEB_DIR, WebMount
 from service.ws import stream_endpoint
 
 log = logging.getLogger("clonecast.app")
+UNTRAINED_DEFAULT_MAX_S = 4.0  # see Services.default_max_s
 
 
 class Services:
@@ -154,6 +155,12 @@ class Services:
         self.metrics.update_engine(self.worker.stats)
         return self.voices.put(voice_id, reference), False
 
+    @property
+    def default_max_s(self) -> float | None:
+        """The length cap of a request that sets none: the untrained embedded model never
+        chooses to stop, so without this every short text would run to the 81.6 s cap."""
+        return UNTRAINED_DEFAULT_MAX_S if self.worker.info.is_default_model else None
+
     def model_info(self) -> dict:
         info = self.worker.info
         untrained = info.is_default_model
@@ -163,6 +170,7 @@ class Services:
             "name": "embedded-default (untrained)" if untrained else info.checkpoint,
             "untrained": untrained,
             "notice": UNTRAINED_NOTICE if untrained else None,
+            "default_max_duration_s": UNTRAINED_DEFAULT_MAX_S if untrained else None,
         }
 
     def stop(self) -> None:

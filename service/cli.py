@@ -15,22 +15,32 @@ import wave
 from pathlib import Path
 
 from clonecast_client.say import add_say_parser
+
+# torch-free names only at the top: `--help` and `--version` answer without loading torch
 from engine import (
     FRAMES_PER_SECOND,
     MAX_ROWS,
     SAMPLE_RATE,
-    UNTRAINED_NOTICE,
     ConfigError,
-    Engine,
     EngineConfig,
     SamplingParams,
-    default_device,
 )
+from service import VERSION
 from service.config import ServiceSettings
 
 
 def _device(requested: str | None) -> str:
+    from engine import default_device
+
     return requested or default_device()
+
+
+def _settings(**overrides) -> ServiceSettings:
+    """The settings from the environment; a bad one is a ConfigError (one line, exit 2)."""
+    try:
+        return ServiceSettings.from_env(**overrides)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
 
 
 def generate(args: argparse.Namespace) -> int:
@@ -60,8 +70,10 @@ def generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _engine(args: argparse.Namespace, max_num_seqs: int = 4) -> Engine:
-    settings = ServiceSettings.from_env()
+def _engine(args: argparse.Namespace, max_num_seqs: int = 4):
+    from engine import UNTRAINED_NOTICE, Engine
+
+    settings = _settings()
     config = EngineConfig(device=_device(args.device or settings.device), max_num_seqs=max_num_seqs)
     engine = Engine.from_pretrained(
         args.model or settings.model, config, codec=args.codec, cache_dir=settings.cache_dir
@@ -158,7 +170,7 @@ def serve(args: argparse.Namespace) -> int:
 
     from service.app import create_app, uvicorn_options
 
-    settings = ServiceSettings.from_env(
+    settings = _settings(
         model=args.model,
         codec=args.codec,
         device=args.device,
@@ -183,6 +195,7 @@ def serve(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="clonecast", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"clonecast {VERSION}")
     sub = parser.add_subparsers(dest="command", required=True)
     v = sub.add_parser("serve", help="run the WebSocket/HTTP service")
     v.add_argument("--model", help="checkpoint dir or hub id (default: embedded default model)")

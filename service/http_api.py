@@ -399,7 +399,7 @@ def _speech_job(body: dict, services) -> dict:
         k: body[k] for k in ("temperature", "top_k", "top_p", "seed", "max_duration_s") if k in body
     }
     try:
-        params, fmt = parse_params(sampling, output)
+        params, fmt = parse_params(sampling, output, default_max_s=services.default_max_s)
         segments = split_text(text, limits.max_segment_chars)
         for segment in segments:
             services.worker.check_text(segment, reference)

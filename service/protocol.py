@@ -72,11 +72,12 @@ def parse_message(text: str) -> dict:
 
 
 def parse_params(
-    params: object, output: object, uid: str | None = None
+    params: object, output: object, uid: str | None = None, default_max_s: float | None = None
 ) -> tuple[SamplingParams, OutputFormat]:
     """`params` and `output` of a speak (or an HTTP speech request) -> validated objects.
     `max_duration_s` (0, 81.6] becomes the row cap: ceil(s * 25) frames + the 8-row ramp
-    (seven rows before the first complete frame, one for the frame the stream drops)."""
+    (seven rows before the first complete frame, one for the frame the stream drops); when
+    absent, `default_max_s` if given (the server's default for its model), else 81.6 s."""
     if params is None:
         params = {}
     if not isinstance(params, dict):
@@ -87,7 +88,7 @@ def parse_params(
             "bad_parameter", "unknown parameter 'max_rows': the length cap is max_duration_s", uid
         )
     try:
-        max_s = raw.pop("max_duration_s", None)
+        max_s = raw.pop("max_duration_s", default_max_s)
         if max_s is not None:
             if (
                 not isinstance(max_s, (int, float))

@@ -293,7 +293,9 @@ class Session:
             )
         if self.services.worker.num_waiting >= self.limits.max_waiting_requests:
             raise ProtocolError("over_capacity", "the server is at capacity: retry shortly", uid)
-        params, fmt = parse_params(message.get("params"), message.get("output"), uid)
+        params, fmt = parse_params(
+            message.get("params"), message.get("output"), uid, self.services.default_max_s
+        )
         voice = None
         voice_id = parse_voice_id(message, uid)
         if voice_id is not None:

@@ -87,3 +87,32 @@ def test_serve_passes_the_kv_cache_dtype_and_refuses_unknown_ones(monkeypatch, c
     with pytest.raises(SystemExit):
         cli.main(["serve", "--kv-cache-dtype", "int8"])
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_version_and_help_answer_without_loading_torch(tmp_path):
+    probe = (
+        "import sys, contextlib, io\n"
+        "from service.cli import main\n"
+        "for argv in (['--version'], ['--help'], ['serve', '--help']):\n"
+        "    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
+        "        main(argv)\n"
+        "print('torch' in sys.modules)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "False"
+    version = _run(["--version"], tmp_path)
+    assert version.returncode == 0 and version.stdout.strip() == "clonecast 0.1.0"
+
+
+def test_a_bad_setting_fails_in_one_line_naming_it(tmp_path):
+    env_bad = {"CLONECAST_LOG_FORMAT": "xml", "CLONECAST_PLAN": "[1]"}
+    for name, value in env_bad.items():
+        env = {**os.environ, name: value, "CLONECAST_CACHE_DIR": str(tmp_path)}
+        r = subprocess.run(
+            [sys.executable, "-m", "service.cli", "serve", "--port", "1"],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert r.returncode == 2, r.stderr
+        [line] = r.stderr.strip().splitlines()
+        assert line.startswith("error: ") and name in line

@@ -9,6 +9,7 @@ import json
 import struct
 import time
 
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -61,6 +62,7 @@ def test_ready_message_describes_protocol_model_audio_and_limits(server):
     assert model["untrained"] is True
     assert isinstance(model["name"], str) and model["name"]
     assert "random weights" in model["notice"]
+    assert model["default_max_duration_s"] == 4.0  # the untrained model's cap when none is set
     assert ready["audio"] == {"sample_rate": 24000, "first_chunk_ms": 320, "chunk_ms": 1000}
     limits = ready["limits"]
     assert limits["max_text_chars"] == 5000
@@ -405,3 +407,25 @@ def test_segment_messages_announce_each_sentence_before_its_audio(make_server):
     for seg in u.segments:  # right before the audio message that starts at its start_ms
         at = order.index(("segment", seg["index"], seg["start_ms"]))
         assert order[at + 1] == ("audio", None, seg["start_ms"])
+
+
+def test_the_untrained_model_stops_at_its_default_cap_unless_asked_for_more(server):
+    """The embedded model never chooses to stop: a speak without max_duration_s ends at 4 s
+    (100 frames, reason length), not at the 81.6 s cap; an explicit duration still wins, over
+    the socket and over HTTP alike."""
+
+    async def main():
+        async with open_ws(server.ws) as ws:
+            await ws.send(json.dumps({"type": "speak", "id": "d", "text": "Short."}))
+            await ws.send(speak("e", "Short.", dur=1.0))
+            return await collect(ws, ["d", "e"])
+
+    got = run(main())
+    assert got["d"].done["reason"] == "length" and got["d"].done["stats"]["audio_s"] == 4.0
+    assert got["e"].done["stats"]["audio_s"] == 1.0
+    r = httpx.post(
+        server.http + "/v1/audio/speech",
+        json={"input": "Short.", "response_format": "pcm"},
+        timeout=60,
+    )
+    assert r.status_code == 200 and len(r.content) == 4 * 48000
