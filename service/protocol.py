@@ -108,7 +108,12 @@ def parse_params(
 
 
 def decode_b64(value, field: str, max_bytes: int, uid: str | None = None) -> bytes:
-    if not isinstance(value, str) or not value:
+    """Reference audio sent as base64; empty is `audio_empty`, as an empty HTTP upload."""
+    if value == "":
+        raise ProtocolError(
+            "audio_empty", f"'{field}' is empty: the reference audio has 0 bytes", uid
+        )
+    if not isinstance(value, str):
         raise ProtocolError("bad_request", f"'{field}' must be a non-empty base64 string", uid)
     if len(value) * 3 // 4 > max_bytes:
         raise ProtocolError(
@@ -153,10 +158,11 @@ def parse_text(message: dict, max_chars: int) -> str:
 
 
 def parse_voice_id(message: dict, uid: str) -> str | None:
+    """A voice_id, or None for none (absent, or "default" as over HTTP: no reference)."""
     voice_id = message.get("voice_id")
     if voice_id is not None and not isinstance(voice_id, str):
         raise ProtocolError("bad_request", "'voice_id' must be a string", uid)
-    return voice_id
+    return None if voice_id == "default" else voice_id
 
 
 def parse_inline_voice(message: dict, max_bytes: int, uid: str) -> tuple[bytes, str | None] | None:
@@ -173,6 +179,8 @@ def parse_inline_voice(message: dict, max_bytes: int, uid: str) -> tuple[bytes, 
 def parse_upload(message: dict, max_bytes: int) -> int:
     """The announced size of a voice.upload's binary frame (its transcript checked too)."""
     size = message.get("bytes")
+    if size == 0 and not isinstance(size, bool):
+        raise ProtocolError("audio_empty", "voice.upload announced 0 bytes: the audio is empty")
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise ProtocolError(
             "bad_request", "voice.upload needs 'bytes': the size of the binary frame"

@@ -21,6 +21,7 @@ from service.protocol import (
     ProtocolError,
     check_transcript,
     decode_b64,
+    loads_json,
     parse_id,
     parse_inline_voice,
     parse_message,
@@ -131,6 +132,8 @@ class Session:
             message = parse_message(text)
             await getattr(self, "_on_" + message["type"].replace(".", "_"))(message)
         except ProtocolError as exc:
+            # the message that caused it, even when refused before it was read (unknown_type)
+            message = message or _as_object(text)
             extra = {"request_id": message["request_id"]} if "request_id" in message else {}
             self.send_error(exc.code, str(exc), exc.uid, **extra)
         except Exception:  # a bug: report it, keep the connection and its other utterances
@@ -322,9 +325,11 @@ class Session:
             return
         # Encoding takes a while: the connection keeps reading (a cancel must get through).
         utt.ready = False
-        self._spawn(self._voice_then_start(utt, *inline))
+        self._spawn(self._voice_then_start(utt, *inline, message.get("request_id")))
 
-    async def _voice_then_start(self, utt: Utterance, data: bytes, transcript) -> None:
+    async def _voice_then_start(
+        self, utt: Utterance, data: bytes, transcript, request_id=None
+    ) -> None:
         try:
             voice, _ = await self.services.create_voice(data, transcript)
         except Exception as exc:
@@ -337,10 +342,12 @@ class Session:
                     else "internal"
                 )
                 self._end(utt, State.FAILED, code)
+                extra = {"request_id": request_id} if request_id is not None else {}
                 self.send_error(
                     code,
                     str(exc) if isinstance(exc, ConfigError) else "voice encoding failed",
                     utt.id,
+                    **extra,
                 )
             return
         if utt.state is not State.RUNNING:
@@ -403,3 +410,12 @@ class Session:
             task.cancel()
         for utt in list(self.utterances.values()):
             self._end(utt, State.CANCELLED, outcome="disconnected")
+
+
+def _as_object(text: str) -> dict:
+    """The message as a JSON object, or {} when it is none (for the error's ids only)."""
+    try:
+        value = loads_json(text)
+    except ProtocolError:
+        return {}
+    return value if isinstance(value, dict) else {}

@@ -308,3 +308,62 @@ def test_a_server_failure_while_streaming_ends_that_utterance_with_internal(
     assert [e["code"] for e in utts["broken"].errors] == ["internal"]
     assert utts["broken"].done is None
     check_complete(utts["fine"])
+
+
+def test_an_unknown_type_answers_with_its_request_id(small):
+    """Refused before it was read, the message is still answered by its request_id (not by
+    its `id`: an error with an id ends that utterance, and this one started nothing)."""
+    message = {"type": "dance", "request_id": "r-7", "id": "u-7"}
+    err = exchange(small, json.dumps(message), code="unknown_type")
+    assert err["request_id"] == "r-7" and "id" not in err
+
+
+def test_empty_reference_audio_is_audio_empty_as_over_http(small):
+    """An empty upload is `audio_empty` whichever way it is sent (HTTP says so too)."""
+    err = exchange(
+        small, json.dumps({"type": "voice.create", "request_id": "e1", "audio_b64": ""}),
+        code="audio_empty",
+    )  # fmt: skip
+    assert err["request_id"] == "e1"
+    exchange(small, json.dumps({"type": "voice.upload", "bytes": 0}), code="audio_empty")
+    inline = {"type": "speak", "id": "i", "text": "Hi.", "voice": {"audio_b64": ""}}
+
+    async def main():
+        async with open_ws(small.ws) as ws:
+            await ws.send(json.dumps(inline))
+            return [await recv_json(ws), await recv_json(ws)]
+
+    started, error = run(main())  # the voice is read once the utterance has started
+    assert started["type"] == "started" and error["code"] == "audio_empty" and error["id"] == "i"
+
+
+def test_an_inline_voice_refused_after_started_keeps_the_request_id(small):
+    """The voice is encoded after `started`: its refusal still carries the message's ids."""
+    noise = base64.b64encode(b"RIFF this is not a recording at all").decode()
+    message = {
+        "type": "speak",
+        "id": "v",
+        "request_id": "r-9",
+        "text": "Hi.",
+        "voice": {"audio_b64": noise},
+    }
+
+    async def main():
+        async with open_ws(small.ws) as ws:
+            await ws.send(json.dumps(message))
+            started = await recv_json(ws)
+            error = await recv_json(ws)
+            return started, error
+
+    started, error = run(main())
+    assert started["type"] == "started"
+    assert error["type"] == "error" and error["id"] == "v" and error["request_id"] == "r-9"
+
+
+def test_voice_id_default_means_no_reference_as_over_http(small):
+    async def main():
+        async with open_ws(small.ws) as ws:
+            await ws.send(speak("d", "Plain.", dur=0.4, voice_id="default"))
+            return await collect(ws, ["d"])
+
+    check_complete(run(main())["d"])
