@@ -46,7 +46,8 @@ from service.http_api import (
 )
 from service.metrics import Metrics
 from service.tokens import TokenIssuer
-from service.voices import Voice, VoiceStore, voice_id_for
+from service.voice_db import VoiceDatabase
+from service.voices import Voice, VoiceStore, check_name, voice_id_for
 from service.web_files import WEB_DIR, WebMount
 from service.ws import stream_endpoint
 
@@ -63,7 +64,8 @@ class Services:
     def __init__(self, settings: ServiceSettings, engine: Engine | None = None):
         self.settings = settings
         self.metrics = Metrics()
-        self.voices = VoiceStore(settings.limits.max_voices)
+        db = VoiceDatabase(settings.voice_store) if settings.voice_store else None
+        self.voices = VoiceStore(settings.limits.max_voices, db)
         secret = settings.token_secret.encode() if settings.token_secret else None
         self.tokens = TokenIssuer(secret)
         self.engine = engine  # in-process engine only
@@ -140,20 +142,45 @@ class Services:
         sys.setswitchinterval(self.settings.gil_switch_ms / 1000)
         self.is_ready = True
 
-    async def create_voice(self, data: bytes, transcript: str | None) -> tuple[Voice, bool]:
-        """Registers a voice from reference audio bytes; (voice, was already registered). A
-        transcript the prompt cannot hold (structural tokens, or too long for the model with
-        even one frame of audio) is refused before any encoding: the voice would be unusable."""
+    async def create_voice(
+        self, data: bytes, transcript: str | None, name: str | None = None, keep: bool = True
+    ) -> tuple[Voice, bool]:
+        """Registers a voice from reference audio bytes; (voice, was already registered).
+        `keep`: created on purpose, kept (persisted) until deleted; False for an inline voice
+        (service/voices.py). A transcript the prompt cannot hold (structural tokens, or too
+        long for the model with even one frame of audio) is refused before any encoding: the
+        voice would be unusable."""
+        name = check_name(name)
         if transcript:
             one_frame = VoiceReference(codes=((0,) * NUM_CODEBOOKS,), text=transcript)
             self.worker.check_text(".", one_frame)  # ConfigError: bad_request
         voice_id = voice_id_for(data, transcript)
         existing = self.voices.get(voice_id)
         if existing is not None:
+            if (name and existing.name != name) or (keep and not existing.kept):
+                existing = self.voices.put(voice_id, existing.reference, name, keep)
             return existing, True
         reference = await asyncio.wrap_future(self.worker.encode_reference(data, transcript))
         self.metrics.update_engine(self.worker.stats)
-        return self.voices.put(voice_id, reference), False
+        return self.voices.put(voice_id, reference, name, keep), False
+
+    async def preload_voices(self) -> None:
+        """CLONECAST_VOICES_DIR: NAME.wav (.flac, .ogg, .mp3) with NAME.txt, registered under
+        NAME before /ready; an unusable file stops the start, naming it."""
+        folder = self.settings.voices_dir
+        if folder is None:
+            return
+        if not folder.is_dir():
+            raise ConfigError(f"CLONECAST_VOICES_DIR {str(folder)!r} is not a directory")
+        for path in sorted(folder.iterdir()):
+            if path.suffix.lower() not in (".wav", ".flac", ".ogg", ".mp3"):
+                continue
+            text_file = path.with_suffix(".txt")
+            transcript = text_file.read_text().strip() if text_file.exists() else None
+            try:
+                await self.create_voice(path.read_bytes(), transcript or None, path.stem)
+            except ConfigError as exc:
+                raise ConfigError(f"voice {path.name} in CLONECAST_VOICES_DIR: {exc}") from exc
 
     @property
     def default_max_s(self) -> float | None:
@@ -176,6 +203,8 @@ class Services:
     def stop(self) -> None:
         if self.worker is not None:
             self.worker.stop()
+        if self.voices.db is not None:
+            self.voices.db.close()
 
 
 def _device(requested: str | None) -> str:
@@ -190,6 +219,7 @@ def create_app(settings: ServiceSettings | None = None, engine: Engine | None = 
     async def lifespan(app):
         try:
             await asyncio.get_running_loop().run_in_executor(None, services.start)
+            await services.preload_voices()
             await services.warm_up()
             log.info("clonecast ready: %s", services.model_info()["name"])
             yield

@@ -20,6 +20,10 @@ variables (all named CLONECAST_*).
 |  | prefix (a voice used again); 0: every prompt computed in full (a worst-case measure) |
 | CLONECAST_PLAN | a JSON object of execution-plan overrides (engine/plan.py's fields), e.g. |
 |  | `{"graph_buckets": [1, 2, 4, 8]}`: how the engine runs, never what it computes |
+| CLONECAST_VOICE_STORE | the SQLite file registered voices persist in (unset: voices.sqlite3 in |
+|  | the cache dir, ~/.cache/clonecast; `memory`: none, lost at exit) |
+| CLONECAST_VOICES_DIR | voices to register at start: NAME.wav (or .flac, .ogg, .mp3) with |
+|  | NAME.txt beside it for its transcript; each usable as `NAME` |
 | CLONECAST_GIL_SWITCH_MS | thread switch interval once ready, ms (0.5; Python's own: 5) |
 | CLONECAST_LOG_FORMAT | plain (default) or json: the one line logged per ended utterance |
 | CLONECAST_ENGINE_PROCESS | 1 (default): the engine in its own process; 0: a server thread |
@@ -84,6 +88,8 @@ class ServiceSettings:
     kv_cache_dtype: str = "auto"  # EngineConfig.kv_cache_dtype (fp8: float8 e4m3, lossy)
     prefix_caching: bool = True  # EngineConfig.enable_prefix_caching
     plan: dict = field(default_factory=dict)  # ExecutionPlan overrides (checked by the engine)
+    voice_store: Path | None = None  # SQLite file of registered voices; None: memory only
+    voices_dir: Path | None = None  # voices registered at start (NAME.wav + NAME.txt)
     gil_switch_ms: float = 0.5
     log_format: str = "plain"  # of the per-utterance log line: plain or json
     # The engine in a process of its own (service/engine_client.py): the server's event
@@ -116,6 +122,10 @@ class ServiceSettings:
             kv_cache_dtype=env.get("CLONECAST_KV_CACHE_DTYPE", "auto"),
             prefix_caching=env.get("CLONECAST_PREFIX_CACHING", "1") not in ("0", "false", "no"),
             plan=_plan(env.get("CLONECAST_PLAN")),
+            voice_store=_voice_store(env),
+            voices_dir=Path(env["CLONECAST_VOICES_DIR"])
+            if env.get("CLONECAST_VOICES_DIR")
+            else None,
             gil_switch_ms=_positive_ms(env.get("CLONECAST_GIL_SWITCH_MS", "0.5")),
             log_format=_log_format(env.get("CLONECAST_LOG_FORMAT", "plain")),
             engine_process=env.get("CLONECAST_ENGINE_PROCESS", "1") not in ("0", "false", "no"),
@@ -155,6 +165,16 @@ def _profile(value: str | None) -> tuple[int, int, str, str, int] | None:
             f"and a running count: {value!r}"
         )
     return skip, steps, path, mode, min_running
+
+
+def _voice_store(env) -> Path | None:
+    value = env.get("CLONECAST_VOICE_STORE")
+    if value == "memory":
+        return None
+    if value:
+        return Path(value)
+    cache = Path(env["CLONECAST_CACHE_DIR"]) if env.get("CLONECAST_CACHE_DIR") else None
+    return (cache or Path.home() / ".cache" / "clonecast") / "voices.sqlite3"
 
 
 def _plan(value: str | None) -> dict:

@@ -67,6 +67,8 @@ STATUS = {
     "message_too_large": 413,
     "over_capacity": 503,
     "not_ready": 503,
+    "name_conflict": 409,
+    "voice_store_full": 507,
 }
 
 
@@ -141,11 +143,13 @@ async def voice_create(request: Request) -> Response:
             request, "message_too_large", f"reference uploads are limited to {limit} bytes"
         )
     transcript = request.query_params.get("transcript")
+    name = request.query_params.get("name")
     if request.headers.get("content-type", "").startswith("application/json"):
         try:
             payload = loads_json(body)
             data = base64.b64decode(payload["audio_b64"], validate=True)
             transcript = payload.get("transcript", transcript)
+            name = payload.get("name", name)
         except ProtocolError as exc:
             return error(request, exc.code, str(exc))
         except (KeyError, TypeError, binascii.Error, ValueError):
@@ -165,7 +169,7 @@ async def voice_create(request: Request) -> Response:
     except ProtocolError as exc:
         return error(request, exc.code, str(exc))
     try:
-        voice, cached = await services.create_voice(data, transcript)
+        voice, cached = await services.create_voice(data, transcript, name)
     except ConfigError as exc:
         return error(request, getattr(exc, "code", "bad_request"), str(exc))
     return JSONResponse({**voice.describe(), "cached": cached}, status_code=200 if cached else 201)

@@ -154,7 +154,11 @@ class Session:
                 request_id=upload.get("request_id"),
             )
             return
-        self._spawn(self._create_voice(data, upload.get("transcript"), upload.get("request_id")))
+        self._spawn(
+            self._create_voice(
+                data, upload.get("transcript"), upload.get("request_id"), upload.get("name")
+            )
+        )
 
     async def _on_ping(self, message: dict) -> None:
         self.send_json({"type": "pong", "t": time.time()})
@@ -162,15 +166,19 @@ class Session:
     async def _on_voice_create(self, message: dict) -> None:
         transcript = check_transcript(message.get("transcript"))
         data = decode_b64(message.get("audio_b64"), "audio_b64", self.limits.max_upload_bytes)
-        self._spawn(self._create_voice(data, transcript, message.get("request_id")))
+        self._spawn(
+            self._create_voice(data, transcript, message.get("request_id"), message.get("name"))
+        )
 
     async def _on_voice_upload(self, message: dict) -> None:
         parse_upload(message, self.limits.max_upload_bytes)
         self.pending_upload = message
 
-    async def _create_voice(self, data: bytes, transcript: str | None, request_id) -> None:
+    async def _create_voice(
+        self, data: bytes, transcript: str | None, request_id, name=None
+    ) -> None:
         try:
-            voice, cached = await self.services.create_voice(data, transcript)
+            voice, cached = await self.services.create_voice(data, transcript, name)
         except ConfigError as exc:
             self.send_error(getattr(exc, "code", "bad_request"), str(exc), request_id=request_id)
             return
@@ -331,7 +339,7 @@ class Session:
         self, utt: Utterance, data: bytes, transcript, request_id=None
     ) -> None:
         try:
-            voice, _ = await self.services.create_voice(data, transcript)
+            voice, _ = await self.services.create_voice(data, transcript, keep=False)
         except Exception as exc:
             if not isinstance(exc, ConfigError):
                 log.exception("inline voice encoding failed")

@@ -1,15 +1,33 @@
-"""Registered voices: reference codes and transcript under a content-derived id, shared by
-every connection and the HTTP API. Bounded (least recently used first out); thread-safe."""
+"""Registered voices: reference codes and transcript under a content-derived id (and, if
+given, a unique name), shared by every connection and the HTTP API; thread-safe.
+
+Two kinds: a voice created on purpose (`voice.create`, `voice.upload`, `POST /v1/voices`, or
+preloaded from a directory at start) is kept until deleted and, with a database, persists
+across restarts; when `max_voices` of them exist, another is refused (`voice_store_full`),
+never evicted behind its owner's back. A voice sent inline with a `speak` is kept only in
+memory, least recently used first out past `max_voices`."""
 
 from __future__ import annotations
 
 import hashlib
+import re
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from engine import FRAMES_PER_SECOND, VoiceReference
+from engine import FRAMES_PER_SECOND, ConfigError, VoiceReference
+from service.voice_db import VoiceDatabase
+
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+
+class VoiceError(ConfigError):
+    """A refused registration, with its protocol code."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass(frozen=True)
@@ -17,6 +35,8 @@ class Voice:
     voice_id: str
     reference: VoiceReference
     created_at: float
+    name: str | None = None
+    kept: bool = False  # created on purpose: kept until deleted (persisted with a database)
 
     @property
     def frames(self) -> int:
@@ -25,6 +45,7 @@ class Voice:
     def describe(self) -> dict:
         return {
             "voice_id": self.voice_id,
+            "name": self.name,
             "frames": self.frames,
             "duration_s": round(self.frames / FRAMES_PER_SECOND, 2),
             "transcript": self.reference.text,
@@ -38,32 +59,88 @@ def voice_id_for(audio: bytes, transcript: str | None) -> str:
     return "v_" + h.hexdigest()[:20]
 
 
-class VoiceStore:
-    def __init__(self, max_voices: int):
-        self.max_voices = max_voices
-        self._voices: OrderedDict[str, Voice] = OrderedDict()
-        self._lock = threading.Lock()
+def check_name(name: object) -> str | None:
+    """A voice name: 1-64 letters, digits, `_`, `.`, `-` (not `v_...`, not "default")."""
+    if name is None:
+        return None
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        raise VoiceError(
+            "bad_parameter", "a voice name is 1-64 letters, digits, '_', '.' or '-' characters"
+        )
+    if name.startswith("v_") or name == "default":
+        raise VoiceError("bad_parameter", f"{name!r} is reserved: 'v_...' ids and 'default'")
+    return name
 
-    def put(self, voice_id: str, reference: VoiceReference) -> Voice:
+
+class VoiceStore:
+    def __init__(self, max_voices: int, db: VoiceDatabase | None = None):
+        self.max_voices, self.db = max_voices, db
+        self._voices: OrderedDict[str, Voice] = OrderedDict()
+        self._names: dict[str, str] = {}
+        self._lock = threading.Lock()
+        for voice_id, name, reference, created in db.load() if db else ():
+            self._voices[voice_id] = Voice(voice_id, reference, created, name, True)
+            if name:
+                self._names[name] = voice_id
+
+    def put(
+        self, voice_id: str, reference: VoiceReference, name: str | None = None, keep: bool = True
+    ) -> Voice:
+        """Registers (or finds) a voice; `keep`: created on purpose (see the module)."""
         with self._lock:
-            voice = self._voices.get(voice_id) or Voice(voice_id, reference, time.time())
+            existing = self._voices.get(voice_id)
+            owner = self._names.get(name) if name else None
+            if owner is not None and owner != voice_id:
+                raise VoiceError("name_conflict", f"the name {name!r} is another voice's")
+            if name and existing is not None and existing.name not in (None, name):
+                raise VoiceError("name_conflict", f"this voice is named {existing.name!r}")
+            kept = keep or (existing is not None and existing.kept)
+            if kept and not (existing and existing.kept) and self._kept() >= self.max_voices:
+                raise VoiceError(
+                    "voice_store_full",
+                    f"{self.max_voices} voices are stored: delete one (DELETE /v1/voices/ID)",
+                )
+            voice = existing or Voice(voice_id, reference, time.time())
+            voice = replace(voice, name=name or voice.name, kept=kept)
+            if voice != existing:
+                if kept and self.db is not None:
+                    self.db.save(voice_id, voice.name, voice.reference, voice.created_at)
+                if voice.name:
+                    self._names[voice.name] = voice_id
             self._voices[voice_id] = voice
             self._voices.move_to_end(voice_id)
-            while len(self._voices) > self.max_voices:
-                self._voices.popitem(last=False)
+            self._evict_inline()
             return voice
 
-    def get(self, voice_id: str) -> Voice | None:
+    def get(self, key: str) -> Voice | None:
+        """By voice_id or by name."""
         with self._lock:
-            voice = self._voices.get(voice_id)
+            voice = self._voices.get(self._names.get(key, key))
             if voice is not None:
-                self._voices.move_to_end(voice_id)
+                self._voices.move_to_end(voice.voice_id)
             return voice
 
-    def delete(self, voice_id: str) -> bool:
+    def delete(self, key: str) -> bool:
         with self._lock:
-            return self._voices.pop(voice_id, None) is not None
+            voice = self._voices.pop(self._names.get(key, key), None)
+            if voice is None:
+                return False
+            if voice.name:
+                self._names.pop(voice.name, None)
+            if voice.kept and self.db is not None:
+                self.db.delete(voice.voice_id)
+            return True
 
     def list(self) -> list[Voice]:
         with self._lock:
             return list(self._voices.values())
+
+    def _kept(self) -> int:
+        return sum(v.kept for v in self._voices.values())
+
+    def _evict_inline(self) -> None:
+        inline = [k for k, v in self._voices.items() if not v.kept]  # oldest use first
+        for voice_id in inline[: max(0, len(inline) - self.max_voices)]:
+            voice = self._voices.pop(voice_id)
+            if voice.name:
+                self._names.pop(voice.name, None)

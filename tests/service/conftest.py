@@ -72,8 +72,10 @@ def make_server(model_cache):
         max_num_seqs=16,
         engine_process=True,
         token_secret=None,
+        extra: dict | None = None,
         **limits,
     ) -> RunningServer:
+        """`extra`: other ServiceSettings fields (voice_store, voices_dir, ...)."""
         settings = ServiceSettings(
             device="cpu",
             engine_process=engine_process,
@@ -83,6 +85,7 @@ def make_server(model_cache):
             allowed_origins=tuple(allowed_origins),
             max_num_seqs=max_num_seqs,
             limits=dataclasses.replace(Limits(), **limits),
+            **(extra or {}),
         )
         server = RunningServer(settings)
         servers.append(server)

@@ -1,0 +1,66 @@
+"""Where registered voices persist across restarts: one SQLite file (the standard library's
+sqlite3), one row per voice with its metadata and its reference codes as little-endian int16
+rows of 8 (never a pickle). Thread-safe (one connection behind a lock); the file is in WAL
+mode, so a crash loses at most the voice being written."""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from engine import NUM_CODEBOOKS, VoiceReference
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS voices (
+    voice_id TEXT PRIMARY KEY,
+    name TEXT UNIQUE,
+    transcript TEXT,
+    frames INTEGER NOT NULL,
+    codes BLOB NOT NULL,
+    created_at REAL NOT NULL
+)
+"""
+
+
+class VoiceDatabase:
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.execute(SCHEMA)
+
+    def save(self, voice_id: str, name: str | None, reference: VoiceReference, created: float):
+        codes = np.asarray(reference.codes, dtype="<i2")
+        with self._lock:
+            self._db.execute(
+                "INSERT OR REPLACE INTO voices VALUES (?, ?, ?, ?, ?, ?)",
+                (voice_id, name, reference.text, len(codes), codes.tobytes(), created),
+            )
+
+    def delete(self, voice_id: str) -> None:
+        with self._lock:
+            self._db.execute("DELETE FROM voices WHERE voice_id = ?", (voice_id,))
+
+    def load(self) -> list[tuple[str, str | None, VoiceReference, float]]:
+        """Every stored voice, oldest first: (voice_id, name, reference, created_at)."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT voice_id, name, transcript, frames, codes, created_at FROM voices "
+                "ORDER BY created_at"
+            ).fetchall()
+        out = []
+        for voice_id, name, transcript, frames, blob, created in rows:
+            codes = np.frombuffer(blob, "<i2").reshape(frames, NUM_CODEBOOKS)
+            rows_ = tuple(tuple(int(c) for c in row) for row in codes)
+            out.append((voice_id, name, VoiceReference(rows_, transcript), created))
+        return out
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
