@@ -28,6 +28,7 @@ from engine import (
     default_device,
 )
 from service import VERSION
+from service.auth import Caller
 from service.config import ServiceSettings
 from service.engine_client import EngineClient
 from service.engine_host import EngineSpec, settle_garbage_collector
@@ -143,7 +144,12 @@ class Services:
         self.is_ready = True
 
     async def create_voice(
-        self, data: bytes, transcript: str | None, name: str | None = None, keep: bool = True
+        self,
+        data: bytes,
+        transcript: str | None,
+        name: str | None = None,
+        keep: bool = True,
+        owner: str | None = None,
     ) -> tuple[Voice, bool]:
         """Registers a voice from reference audio bytes; (voice, was already registered).
         `keep`: created on purpose, kept (persisted) until deleted; False for an inline voice
@@ -154,15 +160,15 @@ class Services:
         if transcript:
             one_frame = VoiceReference(codes=((0,) * NUM_CODEBOOKS,), text=transcript)
             self.worker.check_text(".", one_frame)  # ConfigError: bad_request
-        voice_id = voice_id_for(data, transcript)
-        existing = self.voices.get(voice_id)
+        voice_id = voice_id_for(data, transcript, owner)
+        existing = self.voices.get(voice_id, Caller(owner))
         if existing is not None:
             if (name and existing.name != name) or (keep and not existing.kept):
-                existing = self.voices.put(voice_id, existing.reference, name, keep)
+                existing = self.voices.put(voice_id, existing.reference, name, keep, owner)
             return existing, True
         reference = await asyncio.wrap_future(self.worker.encode_reference(data, transcript))
         self.metrics.update_engine(self.worker.stats)
-        return self.voices.put(voice_id, reference, name, keep), False
+        return self.voices.put(voice_id, reference, name, keep, owner), False
 
     async def preload_voices(self) -> None:
         """CLONECAST_VOICES_DIR: NAME.wav (.flac, .ogg, .mp3) with NAME.txt, registered under

@@ -8,7 +8,9 @@ variables (all named CLONECAST_*).
 | CLONECAST_DEVICE | cpu / cuda (unset: cuda when available) |
 | CLONECAST_CACHE_DIR | where the default model is written (unset: ~/.cache/clonecast) |
 | CLONECAST_HOST, CLONECAST_PORT | bind address (127.0.0.1, 8737) |
-| CLONECAST_API_KEYS | comma-separated keys; unset: no authentication |
+| CLONECAST_API_KEYS | comma-separated keys; unset: no authentication. Each key sees only |
+|  | its own voices (and the preloaded ones) |
+| CLONECAST_ADMIN_KEYS | comma-separated keys that may also see and delete every voice |
 | CLONECAST_TOKEN_SECRET | signs browser tokens (POST /v1/tokens); share it between servers |
 |  | behind one balancer; unset: random per start |
 | CLONECAST_ALLOWED_ORIGINS | comma-separated browser origins; unset: any |
@@ -80,6 +82,7 @@ class ServiceSettings:
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # secrets: never in a log
+    admin_keys: tuple[str, ...] = field(default=(), repr=False)
     token_secret: str | None = field(default=None, repr=False)
     allowed_origins: tuple[str, ...] = ()
     max_num_seqs: int = 64
@@ -114,6 +117,7 @@ class ServiceSettings:
             host=env.get("CLONECAST_HOST", "127.0.0.1"),
             port=int(env.get("CLONECAST_PORT", DEFAULT_PORT)),
             api_keys=_split(env.get("CLONECAST_API_KEYS")),
+            admin_keys=_split(env.get("CLONECAST_ADMIN_KEYS")),
             token_secret=env.get("CLONECAST_TOKEN_SECRET") or None,
             allowed_origins=_split(env.get("CLONECAST_ALLOWED_ORIGINS")),
             max_num_seqs=int(env.get("CLONECAST_MAX_NUM_SEQS", 64)),

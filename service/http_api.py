@@ -9,14 +9,16 @@ import binascii
 import json
 import uuid
 
+from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
+from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from engine import ConfigError
 from service.audio_containers import CONTAINERS, ContainerEncoder, check_rate
 from service.audio_format import wav_header
-from service.auth import extract_key, key_allowed
+from service.auth import Caller, caller_for, extract_key
 from service.protocol import ProtocolError, check_transcript, loads_json, parse_params
 from service.text_segments import split_text
 from service.tokens import DEFAULT_TTL_S, MAX_TTL_S
@@ -98,9 +100,11 @@ def _services(request: Request):
     return request.app.state.services
 
 
-def _authorized(request: Request) -> bool:
+def _caller(request: Request) -> Caller | None:
+    """Who is asking (service/auth.py), or None when the key is missing or wrong."""
+    settings = _services(request).settings
     key = extract_key(request.headers, request.query_params, [])
-    return key_allowed(key, _services(request).settings.api_keys)
+    return caller_for(key, settings.api_keys, settings.admin_keys)
 
 
 async def health(request: Request) -> Response:
@@ -133,7 +137,8 @@ async def metrics(request: Request) -> Response:
 
 
 async def voice_create(request: Request) -> Response:
-    if not _authorized(request):
+    caller = _caller(request)
+    if caller is None:
         return error(request, "unauthorized", "a valid API key is required")
     services = _services(request)
     limit = services.settings.limits.max_upload_bytes
@@ -158,6 +163,12 @@ async def voice_create(request: Request) -> Response:
                 "bad_request",
                 'send JSON {"audio_b64": ..., "transcript": ...} or a raw audio body',
             )
+    elif request.headers.get("content-type", "").startswith("multipart/form-data"):
+        try:
+            data, form_transcript, form_name = await _voice_form(request, body, limit)
+        except _BadInput as exc:
+            return error(request, exc.code, str(exc))
+        transcript, name = form_transcript or transcript, form_name or name
     else:
         data = body
     if len(data) > limit:
@@ -169,16 +180,43 @@ async def voice_create(request: Request) -> Response:
     except ProtocolError as exc:
         return error(request, exc.code, str(exc))
     try:
-        voice, cached = await services.create_voice(data, transcript, name)
+        voice, cached = await services.create_voice(data, transcript, name, owner=caller.owner)
     except ConfigError as exc:
         return error(request, getattr(exc, "code", "bad_request"), str(exc))
     return JSONResponse({**voice.describe(), "cached": cached}, status_code=200 if cached else 201)
 
 
+async def _voice_form(request: Request, body: bytes, limit: int) -> tuple[bytes, str, str]:
+    """A multipart upload (what browsers' FormData and most HTTP clients send): the audio in
+    a `file` part, optional `transcript` and `name` fields. Parsed from the body already read
+    within the limit."""
+
+    async def once():
+        yield body
+
+    parser = MultiPartParser(
+        request.headers, once(), max_files=1, max_fields=4, max_part_size=limit
+    )
+    try:
+        form = await parser.parse()
+    except MultiPartException as exc:
+        raise _BadInput("bad_request", f"not a valid multipart upload: {exc.message}") from exc
+    upload = form.get("file")
+    if not isinstance(upload, UploadFile):
+        raise _BadInput("bad_request", "a multipart upload needs its audio in a 'file' part")
+    data = await upload.read()
+    await form.close()
+    fields = {k: form.get(k) for k in ("transcript", "name")}
+    if any(v is not None and not isinstance(v, str) for v in fields.values()):
+        raise _BadInput("bad_request", "'transcript' and 'name' must be text fields")
+    return data, fields["transcript"], fields["name"]
+
+
 async def token_create(request: Request) -> Response:
     """A short-lived browser token (service/tokens.py) for a backend that holds an API key:
     body `{"ttl_s": 1..3600 (600), "origin": "https://..." (optional binding)}`."""
-    if not _authorized(request):
+    caller = _caller(request)
+    if caller is None:
         return error(request, "unauthorized", "a valid API key is required")
     raw = await _read_body(request, 4096)
     if raw is None:
@@ -202,7 +240,7 @@ async def token_create(request: Request) -> Response:
     unknown = sorted(set(body) - {"ttl_s", "origin"})
     if unknown:
         return error(request, "bad_parameter", f"unknown field(s) {unknown}; known: ttl_s, origin")
-    token = _services(request).tokens.mint(ttl, origin)
+    token = _services(request).tokens.mint(ttl, origin, caller.owner)
     return JSONResponse(
         {"token": token.token, "expires_at": token.expires_at, "ttl_s": ttl, "origin": origin},
         status_code=201,
@@ -211,31 +249,36 @@ async def token_create(request: Request) -> Response:
 
 
 async def list_voices(request: Request) -> Response:
-    if not _authorized(request):
+    caller = _caller(request)
+    if caller is None:
         return error(request, "unauthorized", "a valid API key is required")
-    return JSONResponse({"voices": [v.describe() for v in _services(request).voices.list()]})
+    voices = _services(request).voices.list(caller)
+    return JSONResponse({"voices": [v.describe() for v in voices]})
 
 
 async def voice_get(request: Request) -> Response:
-    if not _authorized(request):
+    caller = _caller(request)
+    if caller is None:
         return error(request, "unauthorized", "a valid API key is required")
-    voice = _services(request).voices.get(request.path_params["voice_id"])
+    voice = _services(request).voices.get(request.path_params["voice_id"], caller)
     if voice is None:
         return error(request, "unknown_voice", f"no voice {request.path_params['voice_id']!r}")
     return JSONResponse(voice.describe())
 
 
 async def voice_delete(request: Request) -> Response:
-    if not _authorized(request):
+    caller = _caller(request)
+    if caller is None:
         return error(request, "unauthorized", "a valid API key is required")
-    if not _services(request).voices.delete(request.path_params["voice_id"]):
+    if not _services(request).voices.delete(request.path_params["voice_id"], caller):
         return error(request, "unknown_voice", f"no voice {request.path_params['voice_id']!r}")
     return Response(status_code=204)
 
 
 async def list_models(request: Request) -> Response:
     """OpenAI's model list: the one model this server serves (its id is `model` in speech)."""
-    if not _authorized(request):
+    caller = _caller(request)
+    if caller is None:
         return error(request, "unauthorized", "a valid API key is required")
     services = _services(request)
     if not services.is_ready:
@@ -252,7 +295,8 @@ async def list_models(request: Request) -> Response:
 
 async def speech(request: Request) -> Response:
     """OpenAI-style speech: `{"input", "voice", "response_format", "stream"}` plus our extras."""
-    if not _authorized(request):
+    caller = _caller(request)
+    if caller is None:
         return error(request, "unauthorized", "a valid API key is required")
     services = _services(request)
     raw = await _read_body(request, services.settings.limits.max_message_bytes)
@@ -266,7 +310,7 @@ async def speech(request: Request) -> Response:
     if not isinstance(body, dict):
         return error(request, "bad_json", "the body must be a JSON object")
     try:
-        job = _speech_job(body, services)
+        job = _speech_job(body, services, caller)
     except ConfigError as exc:
         return error(request, getattr(exc, "code", "bad_parameter"), str(exc))
     if services.worker.num_waiting >= services.settings.limits.max_waiting_requests:
@@ -349,7 +393,7 @@ class _BadInput(ConfigError):
         self.code = code
 
 
-def _speech_job(body: dict, services) -> dict:
+def _speech_job(body: dict, services, caller: Caller) -> dict:
     unknown = sorted(set(body) - set(SPEECH_FIELDS))
     for name in unknown:
         if name in NOT_SUPPORTED:
@@ -383,7 +427,7 @@ def _speech_job(body: dict, services) -> dict:
         raise _BadInput("bad_request", "'voice' must be a voice_id string or \"default\"")
     reference = None
     if voice_name not in (None, "default"):
-        voice = services.voices.get(voice_name)
+        voice = services.voices.get(voice_name, caller)
         if voice is None:
             raise _BadInput(
                 "unknown_voice", f"no voice {voice_name!r}: create it with POST /v1/voices"

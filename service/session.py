@@ -17,6 +17,7 @@ from starlette.websockets import WebSocket
 
 from clonecast_client.wire import pack_audio
 from engine import FRAME_MS, ConfigError
+from service.auth import OPEN, Caller
 from service.protocol import (
     ProtocolError,
     check_transcript,
@@ -39,9 +40,10 @@ MAX_CANCELLED_IDS = 256  # per connection: remembered to refuse late appends aft
 
 
 class Session:
-    def __init__(self, ws: WebSocket, services):
+    def __init__(self, ws: WebSocket, services, caller: Caller = OPEN):
         self.ws = ws
         self.services = services
+        self.caller = caller  # whose voices this connection sees and creates
         self.limits = services.settings.limits
         self.id = "s_" + uuid.uuid4().hex[:12]
         self.utterances: dict[str, Utterance] = {}
@@ -178,7 +180,9 @@ class Session:
         self, data: bytes, transcript: str | None, request_id, name=None
     ) -> None:
         try:
-            voice, cached = await self.services.create_voice(data, transcript, name)
+            voice, cached = await self.services.create_voice(
+                data, transcript, name, owner=self.caller.owner
+            )
         except ConfigError as exc:
             self.send_error(getattr(exc, "code", "bad_request"), str(exc), request_id=request_id)
             return
@@ -310,7 +314,7 @@ class Session:
         voice = None
         voice_id = parse_voice_id(message, uid)
         if voice_id is not None:
-            found = self.services.voices.get(voice_id)
+            found = self.services.voices.get(voice_id, self.caller)
             if found is None:
                 raise ProtocolError("unknown_voice", f"no voice {voice_id!r}: create it first", uid)
             voice = found.reference
@@ -339,7 +343,9 @@ class Session:
         self, utt: Utterance, data: bytes, transcript, request_id=None
     ) -> None:
         try:
-            voice, _ = await self.services.create_voice(data, transcript, keep=False)
+            voice, _ = await self.services.create_voice(
+                data, transcript, keep=False, owner=self.caller.owner
+            )
         except Exception as exc:
             if not isinstance(exc, ConfigError):
                 log.exception("inline voice encoding failed")

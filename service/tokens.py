@@ -2,7 +2,8 @@
 one asks `POST /v1/tokens` for a token that expires (and may be bound to the page's origin)
 and hands that to the browser, which connects with `?token=`.
 
-A token is `cct1.<claims>.<signature>`: the claims (expiry, origin, a nonce) as base64url
+A token is `cct1.<claims>.<signature>`: the claims (expiry, origin, the issuing key's owner
+label, so the page sees that key's voices, and a nonce) as base64url
 JSON, signed with HMAC-SHA256 under the server's secret (CLONECAST_TOKEN_SECRET, shared by
 the servers behind one balancer; random per start when unset, so a restart invalidates the
 tokens it issued). Nothing is stored: verification is the signature, the clock, the origin.
@@ -47,14 +48,17 @@ class TokenIssuer:
     def __init__(self, secret: bytes | None = None):
         self._secret = secret or secrets.token_bytes(32)
 
-    def mint(self, ttl_s: int = DEFAULT_TTL_S, origin: str | None = None) -> Token:
+    def mint(
+        self, ttl_s: int = DEFAULT_TTL_S, origin: str | None = None, owner: str | None = None
+    ) -> Token:
         expires = int(time.time()) + ttl_s
-        claims = {"exp": expires, "origin": origin, "nonce": secrets.token_hex(8)}
+        claims = {"exp": expires, "origin": origin, "own": owner, "nonce": secrets.token_hex(8)}
         body = _b64(json.dumps(claims, separators=(",", ":")).encode())
         return Token(f"{PREFIX}.{body}.{self._sign(body)}", expires, origin)
 
-    def verify(self, token: str, origin: str | None) -> None:
-        """Raises TokenError unless `token` is ours, unexpired, and (if bound) from `origin`."""
+    def verify(self, token: str, origin: str | None) -> str | None:
+        """The owner label of the key that asked for it; raises TokenError unless `token` is
+        ours, unexpired, and (if bound) from `origin`."""
         parts = token.split(".")
         if len(parts) != 3 or parts[0] != PREFIX:
             raise TokenError("not a clonecast token")
@@ -71,6 +75,7 @@ class TokenIssuer:
         bound = claims.get("origin")
         if bound is not None and bound != origin:
             raise TokenError("the token is bound to another origin")
+        return claims.get("own")
 
     def _sign(self, body: str) -> str:
         return _b64(hmac.new(self._secret, body.encode(), hashlib.sha256).digest())

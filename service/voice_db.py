@@ -16,11 +16,13 @@ from engine import NUM_CODEBOOKS, VoiceReference
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS voices (
     voice_id TEXT PRIMARY KEY,
-    name TEXT UNIQUE,
+    owner TEXT,
+    name TEXT,
     transcript TEXT,
     frames INTEGER NOT NULL,
     codes BLOB NOT NULL,
-    created_at REAL NOT NULL
+    created_at REAL NOT NULL,
+    UNIQUE (owner, name)
 )
 """
 
@@ -35,30 +37,37 @@ class VoiceDatabase:
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.execute(SCHEMA)
 
-    def save(self, voice_id: str, name: str | None, reference: VoiceReference, created: float):
+    def save(
+        self,
+        voice_id: str,
+        owner: str | None,
+        name: str | None,
+        reference: VoiceReference,
+        created: float,
+    ) -> None:
         codes = np.asarray(reference.codes, dtype="<i2")
         with self._lock:
             self._db.execute(
-                "INSERT OR REPLACE INTO voices VALUES (?, ?, ?, ?, ?, ?)",
-                (voice_id, name, reference.text, len(codes), codes.tobytes(), created),
+                "INSERT OR REPLACE INTO voices VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (voice_id, owner, name, reference.text, len(codes), codes.tobytes(), created),
             )
 
     def delete(self, voice_id: str) -> None:
         with self._lock:
             self._db.execute("DELETE FROM voices WHERE voice_id = ?", (voice_id,))
 
-    def load(self) -> list[tuple[str, str | None, VoiceReference, float]]:
-        """Every stored voice, oldest first: (voice_id, name, reference, created_at)."""
+    def load(self) -> list[tuple[str, str | None, str | None, VoiceReference, float]]:
+        """Every stored voice, oldest first: (voice_id, owner, name, reference, created_at)."""
         with self._lock:
             rows = self._db.execute(
-                "SELECT voice_id, name, transcript, frames, codes, created_at FROM voices "
+                "SELECT voice_id, owner, name, transcript, frames, codes, created_at FROM voices "
                 "ORDER BY created_at"
             ).fetchall()
         out = []
-        for voice_id, name, transcript, frames, blob, created in rows:
+        for voice_id, owner, name, transcript, frames, blob, created in rows:
             codes = np.frombuffer(blob, "<i2").reshape(frames, NUM_CODEBOOKS)
             rows_ = tuple(tuple(int(c) for c in row) for row in codes)
-            out.append((voice_id, name, VoiceReference(rows_, transcript), created))
+            out.append((voice_id, owner, name, VoiceReference(rows_, transcript), created))
         return out
 
     def close(self) -> None:

@@ -1,5 +1,7 @@
 """Registered voices: reference codes and transcript under a content-derived id (and, if
-given, a unique name), shared by every connection and the HTTP API; thread-safe.
+given, a name unique for its owner), shared by every connection and the HTTP API;
+thread-safe. With API keys, a voice belongs to the key that created it: other keys neither
+see, use nor delete it (an admin key sees all); preloaded voices (no owner) are everyone's.
 
 Two kinds: a voice created on purpose (`voice.create`, `voice.upload`, `POST /v1/voices`, or
 preloaded from a directory at start) is kept until deleted and, with a database, persists
@@ -17,6 +19,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, replace
 
 from engine import FRAMES_PER_SECOND, ConfigError, VoiceReference
+from service.auth import OPEN, Caller
 from service.voice_db import VoiceDatabase
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
@@ -37,6 +40,7 @@ class Voice:
     created_at: float
     name: str | None = None
     kept: bool = False  # created on purpose: kept until deleted (persisted with a database)
+    owner: str | None = None  # the creating key's label (service/auth.py); None: everyone's
 
     @property
     def frames(self) -> int:
@@ -53,9 +57,13 @@ class Voice:
         }
 
 
-def voice_id_for(audio: bytes, transcript: str | None) -> str:
+def voice_id_for(audio: bytes, transcript: str | None, owner: str | None = None) -> str:
+    """Derived from the recording, its transcript and its owner: two keys uploading the same
+    recording get two voices, each its own."""
     h = hashlib.sha256(audio)
     h.update(b"\x00" + (transcript or "").encode())
+    if owner is not None:
+        h.update(b"\x00" + owner.encode())
     return "v_" + h.hexdigest()[:20]
 
 
@@ -76,21 +84,26 @@ class VoiceStore:
     def __init__(self, max_voices: int, db: VoiceDatabase | None = None):
         self.max_voices, self.db = max_voices, db
         self._voices: OrderedDict[str, Voice] = OrderedDict()
-        self._names: dict[str, str] = {}
+        self._names: dict[tuple[str | None, str], str] = {}  # (owner, name) -> voice_id
         self._lock = threading.Lock()
-        for voice_id, name, reference, created in db.load() if db else ():
-            self._voices[voice_id] = Voice(voice_id, reference, created, name, True)
+        for voice_id, owner, name, reference, created in db.load() if db else ():
+            self._voices[voice_id] = Voice(voice_id, reference, created, name, True, owner)
             if name:
-                self._names[name] = voice_id
+                self._names[owner, name] = voice_id
 
     def put(
-        self, voice_id: str, reference: VoiceReference, name: str | None = None, keep: bool = True
+        self,
+        voice_id: str,
+        reference: VoiceReference,
+        name: str | None = None,
+        keep: bool = True,
+        owner: str | None = None,
     ) -> Voice:
         """Registers (or finds) a voice; `keep`: created on purpose (see the module)."""
         with self._lock:
             existing = self._voices.get(voice_id)
-            owner = self._names.get(name) if name else None
-            if owner is not None and owner != voice_id:
+            holder = self._names.get((owner, name)) if name else None
+            if holder is not None and holder != voice_id:
                 raise VoiceError("name_conflict", f"the name {name!r} is another voice's")
             if name and existing is not None and existing.name not in (None, name):
                 raise VoiceError("name_conflict", f"this voice is named {existing.name!r}")
@@ -100,40 +113,51 @@ class VoiceStore:
                     "voice_store_full",
                     f"{self.max_voices} voices are stored: delete one (DELETE /v1/voices/ID)",
                 )
-            voice = existing or Voice(voice_id, reference, time.time())
+            voice = existing or Voice(voice_id, reference, time.time(), owner=owner)
             voice = replace(voice, name=name or voice.name, kept=kept)
             if voice != existing:
                 if kept and self.db is not None:
-                    self.db.save(voice_id, voice.name, voice.reference, voice.created_at)
+                    self.db.save(voice_id, owner, voice.name, voice.reference, voice.created_at)
                 if voice.name:
-                    self._names[voice.name] = voice_id
+                    self._names[owner, voice.name] = voice_id
             self._voices[voice_id] = voice
             self._voices.move_to_end(voice_id)
             self._evict_inline()
             return voice
 
-    def get(self, key: str) -> Voice | None:
-        """By voice_id or by name."""
+    def get(self, key: str, caller: Caller = OPEN) -> Voice | None:
+        """By voice_id or by name (the caller's own name first, then a shared one); None
+        when there is none the caller may see."""
         with self._lock:
-            voice = self._voices.get(self._names.get(key, key))
+            voice = self._find(key, caller)
             if voice is not None:
                 self._voices.move_to_end(voice.voice_id)
             return voice
 
-    def delete(self, key: str) -> bool:
+    def delete(self, key: str, caller: Caller = OPEN) -> bool:
+        """A shared voice (no owner) only by an admin, or on a server without keys."""
         with self._lock:
-            voice = self._voices.pop(self._names.get(key, key), None)
-            if voice is None:
+            voice = self._find(key, caller)
+            if voice is None or (voice.owner is None and caller.owner and not caller.admin):
                 return False
+            del self._voices[voice.voice_id]
             if voice.name:
-                self._names.pop(voice.name, None)
+                self._names.pop((voice.owner, voice.name), None)
             if voice.kept and self.db is not None:
                 self.db.delete(voice.voice_id)
             return True
 
-    def list(self) -> list[Voice]:
+    def list(self, caller: Caller = OPEN) -> list[Voice]:
         with self._lock:
-            return list(self._voices.values())
+            return [v for v in self._voices.values() if caller.sees(v.owner)]
+
+    def _find(self, key: str, caller: Caller) -> Voice | None:
+        voice_id = self._names.get((caller.owner, key)) or self._names.get((None, key), key)
+        voice = self._voices.get(voice_id)
+        if voice is None and caller.admin:  # an admin may name anyone's voice by its name
+            voice_id = next((v for (o, n), v in self._names.items() if n == key), key)
+            voice = self._voices.get(voice_id)
+        return voice if voice is not None and caller.sees(voice.owner) else None
 
     def _kept(self) -> int:
         return sum(v.kept for v in self._voices.values())
@@ -143,4 +167,4 @@ class VoiceStore:
         for voice_id in inline[: max(0, len(inline) - self.max_voices)]:
             voice = self._voices.pop(voice_id)
             if voice.name:
-                self._names.pop(voice.name, None)
+                self._names.pop((voice.owner, voice.name), None)

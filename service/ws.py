@@ -18,7 +18,7 @@ from clonecast_client.wire import (
     PROTOCOL,
 )
 from engine import FRAME_MS, SAMPLE_RATE, AudioLimits, StreamConfig
-from service.auth import extract_key, key_allowed, origin_allowed
+from service.auth import OPEN, Caller, caller_for, extract_key, origin_allowed
 from service.session import Session
 from service.tokens import TokenError
 
@@ -39,9 +39,9 @@ async def stream_endpoint(ws: WebSocket) -> None:
         p.strip() for p in ws.headers.get("sec-websocket-protocol", "").split(",") if p.strip()
     ]
     await ws.accept(subprotocol=PROTOCOL if PROTOCOL in offered else None)
-    refusal = _auth_refusal(ws, offered, services)
-    if refusal is not None:
-        return await _refuse(ws, "unauthorized", refusal, CLOSE_UNAUTHORIZED, services)
+    caller = _authenticate(ws, offered, services)
+    if isinstance(caller, str):
+        return await _refuse(ws, "unauthorized", caller, CLOSE_UNAUTHORIZED, services)
     if not origin_allowed(ws.headers.get("origin"), settings.allowed_origins):
         return await _refuse(
             ws, "forbidden_origin", "this origin is not allowed", CLOSE_FORBIDDEN, services
@@ -56,7 +56,7 @@ async def stream_endpoint(ws: WebSocket) -> None:
         )
     services.connections += 1
     services.metrics.connections.set(services.connections)
-    session = Session(ws, services)
+    session = Session(ws, services, caller)
     sender = asyncio.create_task(session.sender())
     reason = "client_lost"
     try:
@@ -107,18 +107,21 @@ async def _receive_loop(ws: WebSocket, session: Session, sender: asyncio.Task) -
             await session.on_bytes(message["bytes"])
 
 
-def _auth_refusal(ws: WebSocket, offered: list[str], services) -> str | None:
-    """Why the connection is refused, or None: an API key, or a browser token that is
-    unexpired, signed by this server's secret and (if bound) from its origin."""
+def _authenticate(ws: WebSocket, offered: list[str], services) -> Caller | str:
+    """Who connects (a Caller), or why the connection is refused: an API key, or a browser
+    token that is unexpired, signed by this server's secret and (if bound) from its origin
+    (its caller: the key that asked for it)."""
+    settings = services.settings
     token = ws.query_params.get("token")
     if token is not None:
         try:
-            services.tokens.verify(token, ws.headers.get("origin"))
+            owner = services.tokens.verify(token, ws.headers.get("origin"))
         except TokenError as exc:
             return str(exc)
-        return None
+        return Caller(owner) if owner is not None else OPEN
     key = extract_key(ws.headers, ws.query_params, offered)
-    return None if key_allowed(key, services.settings.api_keys) else "a valid API key is required"
+    caller = caller_for(key, settings.api_keys, settings.admin_keys)
+    return caller if caller is not None else "a valid API key is required"
 
 
 def _ready_message(session: Session, services) -> dict:

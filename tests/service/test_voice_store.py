@@ -124,3 +124,88 @@ def test_a_voice_named_over_the_socket_speaks_by_name_and_inline_voices_are_not_
     kept = {v.voice_id: v.kept for v in server.services.voices.list()}
     assert kept[created["voice_id"]] is True
     assert sum(not k for k in kept.values()) >= 1  # the inline voice: in memory only
+
+
+def test_a_multipart_upload_registers_a_voice(server):
+    """What a browser's FormData or `curl -F` sends: the audio in a `file` part."""
+    audio = reference_audio(2.0, f0=155.0)
+    files = {"file": ("ref.wav", audio, "audio/wav")}
+    data = {"transcript": "From a form.", "name": "frank"}
+    r = httpx.post(server.http + "/v1/voices", files=files, data=data, timeout=60)
+    assert r.status_code == 201, r.text
+    created = r.json()
+    assert created["name"] == "frank" and created["transcript"] == "From a form."
+    assert created["frames"] == 50
+    # the same recording as JSON gives the same voice
+    same = httpx.post(
+        server.http + "/v1/voices", json={"audio_b64": b64(audio), "transcript": "From a form."}
+    )
+    assert same.status_code == 200 and same.json()["voice_id"] == created["voice_id"]
+    missing = httpx.post(server.http + "/v1/voices", data={"name": "x"}, files={"other": b"1"})
+    assert missing.status_code == 400 and "'file' part" in missing.json()["error"]["message"]
+
+
+def _as(key: str) -> dict:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def test_each_key_sees_and_deletes_only_its_own_voices(make_server, tmp_path):
+    """Keys A and B, an admin key, and a preloaded voice everyone shares."""
+    folder = tmp_path / "shared-voices"
+    folder.mkdir()
+    (folder / "house.wav").write_bytes(reference_audio(2.0, f0=130.0))
+    server = make_server(
+        api_keys=("ka", "kb"), extra={"admin_keys": ("kadmin",), "voices_dir": folder}
+    )
+    url = server.http + "/v1/voices"
+    audio = b64(reference_audio(2.0, f0=165.0))
+    mine = httpx.post(url, json={"audio_b64": audio, "name": "mine"}, headers=_as("ka")).json()
+    # B cannot see, use or delete A's voice, by id or by name
+    for key in (mine["voice_id"], "mine"):
+        assert httpx.get(f"{url}/{key}", headers=_as("kb")).status_code == 404
+        assert httpx.delete(f"{url}/{key}", headers=_as("kb")).status_code == 404
+    body = {"input": "Hi.", "voice": "mine", "response_format": "pcm", "max_duration_s": 0.4}
+    refused = httpx.post(server.http + "/v1/audio/speech", json=body, headers=_as("kb"))
+    assert refused.status_code == 404 and refused.json()["error"]["code"] == "unknown_voice"
+    spoken = httpx.post(server.http + "/v1/audio/speech", json=body, headers=_as("ka"))
+    assert spoken.status_code == 200
+    # B's own voice of the same recording and name is another voice
+    theirs = httpx.post(url, json={"audio_b64": audio, "name": "mine"}, headers=_as("kb"))
+    assert theirs.status_code == 201 and theirs.json()["voice_id"] != mine["voice_id"]
+
+    def listed(key):
+        return {v["voice_id"] for v in httpx.get(url, headers=_as(key)).json()["voices"]}
+
+    house = httpx.get(f"{url}/house", headers=_as("ka")).json()["voice_id"]
+    assert listed("ka") == {mine["voice_id"], house}
+    assert listed("kb") == {theirs.json()["voice_id"], house}
+    assert listed("kadmin") == {mine["voice_id"], theirs.json()["voice_id"], house}
+    # the shared voice: usable by every key, deleted by an admin only
+    assert httpx.delete(f"{url}/house", headers=_as("ka")).status_code == 404
+    assert httpx.delete(f"{url}/{mine['voice_id']}", headers=_as("kadmin")).status_code == 204
+    assert httpx.get(f"{url}/mine", headers=_as("ka")).status_code == 404
+    assert httpx.delete(f"{url}/house", headers=_as("kadmin")).status_code == 204
+
+
+def test_a_browser_token_sees_the_voices_of_the_key_that_asked_for_it(make_server):
+    server = make_server(api_keys=("ka", "kb"))
+    audio = b64(reference_audio(2.0, f0=185.0))
+    httpx.post(
+        server.http + "/v1/voices", json={"audio_b64": audio, "name": "gail"}, headers=_as("ka")
+    )
+    tokens = {
+        key: httpx.post(server.http + "/v1/tokens", json={}, headers=_as(key)).json()["token"]
+        for key in ("ka", "kb")
+    }
+
+    async def speak_as(token):
+        async with open_ws(f"{server.ws}?token={token}") as ws:
+            await ws.send(speak("g", "Token.", dur=0.4, voice_id="gail"))
+            while True:
+                frame = await ws.recv()
+                if isinstance(frame, str) and json.loads(frame)["type"] in ("done", "error"):
+                    return json.loads(frame)
+
+    assert run(speak_as(tokens["ka"]))["type"] == "done"
+    refused = run(speak_as(tokens["kb"]))
+    assert refused["type"] == "error" and refused["code"] == "unknown_voice"
