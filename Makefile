@@ -21,7 +21,7 @@ setup: $(STAMP)
 
 # The service on the embedded default model: http://127.0.0.1:8737, ws://127.0.0.1:8737/v1/stream
 start: $(STAMP)
-	$(BIN)/clonecast serve
+	$(BIN)/clonecast serve $(if $(PORT),--port $(PORT))
 
 # Installs the Debian packages of missing commands when run as root; otherwise says the one
 # command to run. (A command from elsewhere, e.g. a newer Node.js, is used as it is.)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sqlite3
 import sys
 import time
 from pathlib import Path
@@ -65,8 +66,7 @@ class Services:
     def __init__(self, settings: ServiceSettings, engine: Engine | None = None):
         self.settings = settings
         self.metrics = Metrics()
-        db = VoiceDatabase(settings.voice_store) if settings.voice_store else None
-        self.voices = VoiceStore(settings.limits.max_voices, db)
+        self.voices = VoiceStore(settings.limits.max_voices)  # with its database at start()
         secret = settings.token_secret.encode() if settings.token_secret else None
         self.tokens = TokenIssuer(secret)
         self.engine = engine  # in-process engine only
@@ -76,6 +76,13 @@ class Services:
         self.started = int(time.time())  # when this server started (GET /v1/models)
 
     def start(self) -> None:
+        if self.settings.voice_store is not None:
+            try:
+                db = VoiceDatabase(self.settings.voice_store)
+            except (OSError, sqlite3.Error) as exc:
+                path = str(self.settings.voice_store)
+                raise ConfigError(f"the voice store {path!r} cannot be opened: {exc}") from exc
+            self.voices = VoiceStore(self.settings.limits.max_voices, db)
         if self.engine is None and self.settings.engine_process:
             spec = EngineSpec(
                 self.settings.model,

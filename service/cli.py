@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 import wave
@@ -26,7 +27,7 @@ from engine import (
     SamplingParams,
 )
 from service import VERSION
-from service.config import ServiceSettings
+from service.config import ServiceSettings, config_file
 
 
 def _device(requested: str | None) -> str:
@@ -35,10 +36,12 @@ def _device(requested: str | None) -> str:
     return requested or default_device()
 
 
-def _settings(**overrides) -> ServiceSettings:
-    """The settings from the environment; a bad one is a ConfigError (one line, exit 2)."""
+def _settings(config: str | None = None, **overrides) -> ServiceSettings:
+    """The settings: command-line flags over the environment over a `--config` file; a bad
+    one is a ConfigError (one line, exit 2)."""
     try:
-        return ServiceSettings.from_env(**overrides)
+        env = {**config_file(Path(config)), **os.environ} if config else None
+        return ServiceSettings.from_env(env, **overrides)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
 
@@ -171,6 +174,8 @@ def serve(args: argparse.Namespace) -> int:
     from service.app import create_app, uvicorn_options
 
     settings = _settings(
+        args.config,
+        api_keys=tuple(args.api_key) if args.api_key else None,
         model=args.model,
         codec=args.codec,
         device=args.device,
@@ -216,7 +221,24 @@ def main(argv: list[str] | None = None) -> int:
         help="compute every prompt in full, never reusing an earlier prompt's KV blocks "
         "(a worst-case measure; default: reuse)",
     )
-    v.add_argument("--log-level", default="info")
+    v.add_argument(
+        "--api-key",
+        action="append",
+        metavar="KEY",
+        help="accept this API key (repeat for several; default: CLONECAST_API_KEYS, or none: "
+        "no authentication)",
+    )
+    v.add_argument(
+        "--config",
+        metavar="FILE",
+        help="a TOML file of CLONECAST_* settings (the environment and these flags win)",
+    )
+    v.add_argument(
+        "--log-level",
+        default="info",
+        choices=("critical", "error", "warning", "info", "debug", "trace"),
+        help="server log level (default: info)",
+    )
     v.set_defaults(func=serve)
     s = sub.add_parser("synthesize", help="speak a text into a WAV file, streaming")
     _add_common(s, max_rows=MAX_ROWS)

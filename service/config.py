@@ -16,6 +16,7 @@ variables (all named CLONECAST_*).
 | CLONECAST_ALLOWED_ORIGINS | comma-separated browser origins; unset: any |
 | CLONECAST_MAX_CONNECTIONS, CLONECAST_MAX_NUM_SEQS | capacity |
 | CLONECAST_EAGER | 1: no CUDA graphs (debugging, comparison) |
+| CLONECAST_ATTENTION_BACKEND | auto (Triton on CUDA, else torch), or a FlashAttention backend |
 | CLONECAST_KV_CACHE_DTYPE | auto (the model's dtype) or fp8: a float8 KV cache, twice the |
 |  | blocks and half the attention reads, lossy (EngineConfig.kv_cache_dtype) |
 | CLONECAST_PREFIX_CACHING | 1 (default): prompts reuse the KV blocks of an earlier prompt's |
@@ -38,6 +39,8 @@ from __future__ import annotations
 
 import json
 import os
+import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -107,8 +110,9 @@ class ServiceSettings:
     limits: Limits = field(default_factory=Limits)
 
     @classmethod
-    def from_env(cls, **overrides) -> ServiceSettings:
-        env = os.environ
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides) -> ServiceSettings:
+        """From `env` (default: the process environment); `overrides` that are not None win."""
+        env = os.environ if env is None else env
         base = cls(
             model=env.get("CLONECAST_MODEL") or None,
             codec=env.get("CLONECAST_CODEC") or None,
@@ -137,6 +141,59 @@ class ServiceSettings:
             limits=Limits(max_connections=int(env.get("CLONECAST_MAX_CONNECTIONS", 256))),
         )
         return replace(base, **{k: v for k, v in overrides.items() if v is not None})
+
+
+# Every variable this module reads (and the names a --config file may set).
+VARIABLES = (
+    "CLONECAST_MODEL",
+    "CLONECAST_CODEC",
+    "CLONECAST_DEVICE",
+    "CLONECAST_CACHE_DIR",
+    "CLONECAST_HOST",
+    "CLONECAST_PORT",
+    "CLONECAST_API_KEYS",
+    "CLONECAST_ADMIN_KEYS",
+    "CLONECAST_TOKEN_SECRET",
+    "CLONECAST_ALLOWED_ORIGINS",
+    "CLONECAST_MAX_CONNECTIONS",
+    "CLONECAST_MAX_NUM_SEQS",
+    "CLONECAST_EAGER",
+    "CLONECAST_ATTENTION_BACKEND",
+    "CLONECAST_KV_CACHE_DTYPE",
+    "CLONECAST_PREFIX_CACHING",
+    "CLONECAST_PLAN",
+    "CLONECAST_VOICE_STORE",
+    "CLONECAST_VOICES_DIR",
+    "CLONECAST_GIL_SWITCH_MS",
+    "CLONECAST_LOG_FORMAT",
+    "CLONECAST_ENGINE_PROCESS",
+    "CLONECAST_PROFILE",
+)
+
+
+def config_file(path: Path) -> dict[str, str]:
+    """A TOML file of settings under the environment variables' names (`CLONECAST_PORT =
+    8800`; lists for the comma-separated ones, true/false for the flags), as strings the way
+    the environment would hold them. ValueError names the file and the bad entry."""
+    try:
+        table = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ValueError(f"--config {str(path)!r}: {exc}") from exc
+    out = {}
+    for name, value in table.items():
+        if name not in VARIABLES:
+            raise ValueError(f"--config {str(path)!r}: unknown setting {name!r}")
+        if isinstance(value, bool):
+            out[name] = "1" if value else "0"
+        elif isinstance(value, list) and all(isinstance(v, str) for v in value):
+            out[name] = ",".join(value)
+        elif isinstance(value, str | int | float):
+            out[name] = str(value)
+        elif isinstance(value, dict) and name == "CLONECAST_PLAN":
+            out[name] = json.dumps(value)
+        else:
+            raise ValueError(f"--config {str(path)!r}: {name} cannot be {value!r}")
+    return out
 
 
 def _split(value: str | None) -> tuple[str, ...]:

@@ -35,6 +35,15 @@ class VoiceDatabase:
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
+        columns = {row[1] for row in self._db.execute("PRAGMA table_info(voices)")}
+        if columns and "owner" not in columns:  # the first layout (no owners): rebuilt
+            self._db.execute("ALTER TABLE voices RENAME TO voices_v0")
+            self._db.execute(SCHEMA)
+            self._db.execute(
+                "INSERT INTO voices SELECT voice_id, NULL, name, transcript, frames, codes, "
+                "created_at FROM voices_v0"
+            )
+            self._db.execute("DROP TABLE voices_v0")
         self._db.execute(SCHEMA)
 
     def save(

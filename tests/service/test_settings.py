@@ -97,3 +97,50 @@ def test_plan_overrides_come_from_a_json_object(monkeypatch):
     monkeypatch.setenv("CLONECAST_PLAN", '{"graph_bucket": [1]}')
     with pytest.raises(ConfigError, match="unknown plan override"):
         _engine_config(ServiceSettings.from_env(device="cpu"))
+
+
+def test_every_variable_read_is_listed_and_documented():
+    """VARIABLES is what from_env reads (nothing else) and what the module's table documents."""
+    import re
+    from pathlib import Path
+
+    import service.config as config
+
+    source = Path(config.__file__).read_text()
+    read = set(re.findall(r'env(?:\.get\(|\[)"(CLONECAST_[A-Z_]+)"', source))
+    assert read == set(config.VARIABLES)
+    for name in config.VARIABLES:
+        assert name in config.__doc__, f"{name} is not in service/config.py's table"
+
+
+def test_a_config_file_sets_what_the_environment_does_and_loses_to_it(tmp_path, monkeypatch):
+    from service.cli import _settings
+
+    path = tmp_path / "clonecast.toml"
+    path.write_text(
+        'CLONECAST_PORT = 8801\nCLONECAST_API_KEYS = ["a", "b"]\nCLONECAST_EAGER = true\n'
+        'CLONECAST_PLAN = { graph_buckets = [1, 2] }\nCLONECAST_LOG_FORMAT = "json"\n'
+    )
+    monkeypatch.delenv("CLONECAST_PORT", raising=False)
+    monkeypatch.setenv("CLONECAST_LOG_FORMAT", "plain")  # the environment wins over the file
+    settings = _settings(str(path))
+    assert settings.port == 8801 and settings.api_keys == ("a", "b")
+    assert settings.cuda_graphs is False and settings.plan == {"graph_buckets": [1, 2]}
+    assert settings.log_format == "plain"
+    assert _settings(str(path), api_keys=("c",)).api_keys == ("c",)  # and a flag over both
+
+
+def test_a_bad_config_file_is_one_line_naming_the_entry(tmp_path):
+    from engine import ConfigError
+    from service.cli import _settings
+
+    for text, named in (
+        ("CLONECAST_PORTS = 1\n", "CLONECAST_PORTS"),
+        ("x = [\n", "clonecast.toml"),
+    ):
+        path = tmp_path / "clonecast.toml"
+        path.write_text(text)
+        with pytest.raises(ConfigError, match=named):
+            _settings(str(path))
+    with pytest.raises(ConfigError, match="missing.toml"):
+        _settings(str(tmp_path / "missing.toml"))

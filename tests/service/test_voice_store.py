@@ -209,3 +209,31 @@ def test_a_browser_token_sees_the_voices_of_the_key_that_asked_for_it(make_serve
     assert run(speak_as(tokens["ka"]))["type"] == "done"
     refused = run(speak_as(tokens["kb"]))
     assert refused["type"] == "error" and refused["code"] == "unknown_voice"
+
+
+def test_a_store_of_the_first_layout_is_carried_over(tmp_path):
+    """The first layout had no owners: its voices become everyone's, nothing is lost."""
+    import sqlite3
+
+    import numpy as np
+
+    path = tmp_path / "old.sqlite3"
+    db = sqlite3.connect(path)
+    db.execute(
+        "CREATE TABLE voices (voice_id TEXT PRIMARY KEY, name TEXT UNIQUE, transcript TEXT, "
+        "frames INTEGER NOT NULL, codes BLOB NOT NULL, created_at REAL NOT NULL)"
+    )
+    codes = np.asarray(REF.codes, dtype="<i2")
+    db.execute(
+        "INSERT INTO voices VALUES ('v_old', 'olga', 'Said.', 30, ?, 5.0)", (codes.tobytes(),)
+    )
+    db.commit()
+    db.close()
+    [voice] = VoiceStore(10, VoiceDatabase(path)).list()
+    assert (voice.voice_id, voice.name, voice.owner, voice.created_at) == (
+        "v_old",
+        "olga",
+        None,
+        5.0,
+    )
+    assert voice.reference == REF
