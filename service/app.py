@@ -72,6 +72,10 @@ class Services:
         self.engine = engine  # in-process engine only
         self.worker: EngineClient | None = None
         self.is_ready = False
+        self.progress = "starting"  # what loading is doing (/ready while not ready)
+        self.load_error: str | None = None  # why loading failed (the server then exits)
+        self.on_load_failed = None  # called once loading has failed (the CLI stops the server)
+        self.stopping = False
         self.connections = 0
         self.started = int(time.time())  # when this server started (GET /v1/models)
 
@@ -126,6 +130,31 @@ class Services:
                 self.settings.plan | ({} if backend == "auto" else {"attention_backend": backend})
             ),
         )
+
+    async def load(self) -> None:
+        """Everything before /ready: the engine (in a worker thread), the preloaded voices,
+        one warm-up request. A failure is kept in `load_error` and reported once."""
+        try:
+            self.progress = "loading the model and capturing graphs"
+            await asyncio.get_running_loop().run_in_executor(None, self.start)
+            if self.stopping:
+                return
+            self.progress = "registering the preloaded voices"
+            await self.preload_voices()
+            self.progress = "warming up"
+            await self.warm_up()
+            self.progress = "ready"
+            log.info("clonecast ready: %s", self.model_info()["name"])
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self.load_error = str(exc) if isinstance(exc, ConfigError) else repr(exc)
+            if not isinstance(exc, ConfigError):
+                log.exception("loading failed")
+            log.error("clonecast could not start: %s", self.load_error)
+            self.stop()
+            if self.on_load_failed is not None:
+                self.on_load_failed()
 
     async def warm_up(self) -> None:
         """One short request end to end, so the first client does not pay for lazy set-up."""
@@ -230,13 +259,16 @@ def create_app(settings: ServiceSettings | None = None, engine: Engine | None = 
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        # The port is bound while the model loads: /health answers 200 (loading) and /ready
+        # 503 with what is being done, instead of refused connections.
+        loading = asyncio.create_task(services.load())
         try:
-            await asyncio.get_running_loop().run_in_executor(None, services.start)
-            await services.preload_voices()
-            await services.warm_up()
-            log.info("clonecast ready: %s", services.model_info()["name"])
             yield
-        finally:  # also when loading or warming up failed: no engine process left behind
+        finally:  # also while loading: no engine process left behind
+            services.stopping = True
+            loading.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await loading
             services.stop()
 
     routes = [

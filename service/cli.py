@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import sys
 import time
 import wave
@@ -186,6 +187,7 @@ def serve(args: argparse.Namespace) -> int:
         kv_cache_dtype=args.kv_cache_dtype,
         prefix_caching=False if args.no_prefix_caching else None,
     )
+    _check_port(settings.host, settings.port)
     app = create_app(settings)
     print(
         f"clonecast: loading {settings.model or 'the embedded default model (untrained)'}; "
@@ -194,8 +196,28 @@ def serve(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
-    uvicorn.run(app, log_level=args.log_level, **uvicorn_options(settings))
+    config = uvicorn.Config(app, log_level=args.log_level, **uvicorn_options(settings))
+    server = uvicorn.Server(config)
+    services = app.state.services
+    # the port is bound while the model loads; a failed load stops the server, one line
+    services.on_load_failed = lambda: setattr(server, "should_exit", True)
+    server.run()
+    if services.load_error is not None:
+        print(f"error: {services.load_error}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _check_port(host: str, port: int) -> None:
+    """A port already in use, in one line naming the setting (before the model loads)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot listen on {host}:{port} (--port / CLONECAST_PORT): {exc.strerror}"
+            ) from exc
 
 
 def main(argv: list[str] | None = None) -> int:

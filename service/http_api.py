@@ -108,18 +108,39 @@ def _caller(request: Request) -> Caller | None:
 
 
 async def health(request: Request) -> Response:
-    """Liveness: 200 while the server can serve, or is still loading; 503 once its engine
-    has exited (a restart is the only cure, so an orchestrator's liveness probe should act)."""
-    worker = _services(request).worker
-    if worker is not None and not worker.alive:
+    """Liveness: 200 while the server can serve, or is still loading (`loading`); 503 once
+    loading has failed or its engine has exited (a restart is the only cure, so an
+    orchestrator's liveness probe should act)."""
+    services = _services(request)
+    if services.load_error is not None:
+        return JSONResponse({"status": "failed", "error": services.load_error}, status_code=503)
+    worker = services.worker
+    if worker is not None and worker.alive is False and services.is_ready:
         return JSONResponse({"status": "engine_exited"}, status_code=503)
-    return JSONResponse({"status": "ok"})
+    return JSONResponse({"status": "ok" if services.is_ready else "loading"})
+
+
+def _not_ready_message(services) -> str:
+    if services.load_error is not None:
+        return f"the server could not start: {services.load_error}"
+    return f"the server is starting: {services.progress}"
+
+
+def not_ready(request: Request) -> Response | None:
+    """The answer of an endpoint that needs the engine while it is not ready, else None."""
+    services = _services(request)
+    if services.is_ready:
+        return None
+    return error(request, "not_ready", _not_ready_message(services))
 
 
 async def ready(request: Request) -> Response:
+    """Readiness (not counted as an error: a probe asks it all along): 200 with the model and
+    the plan, or 503 with what loading is doing."""
     services = _services(request)
     if not services.is_ready:
-        return error(request, "not_ready", "the model is loading or warming up", count=False)
+        body = {"code": "not_ready", "message": _not_ready_message(services)}
+        return JSONResponse({"error": body, "progress": services.progress}, status_code=503)
     if not services.worker.alive:
         msg = "the engine stopped; the server needs a restart"
         return error(request, "not_ready", msg, count=False)
@@ -140,6 +161,8 @@ async def voice_create(request: Request) -> Response:
     caller = _caller(request)
     if caller is None:
         return error(request, "unauthorized", "a valid API key is required")
+    if (answer := not_ready(request)) is not None:
+        return answer
     services = _services(request)
     limit = services.settings.limits.max_upload_bytes
     body = await _read_body(request, limit * 4 // 3 + 4096)  # base64 in JSON, or raw
@@ -252,6 +275,8 @@ async def list_voices(request: Request) -> Response:
     caller = _caller(request)
     if caller is None:
         return error(request, "unauthorized", "a valid API key is required")
+    if (answer := not_ready(request)) is not None:
+        return answer
     voices = _services(request).voices.list(caller)
     return JSONResponse({"voices": [v.describe() for v in voices]})
 
@@ -260,6 +285,8 @@ async def voice_get(request: Request) -> Response:
     caller = _caller(request)
     if caller is None:
         return error(request, "unauthorized", "a valid API key is required")
+    if (answer := not_ready(request)) is not None:
+        return answer
     voice = _services(request).voices.get(request.path_params["voice_id"], caller)
     if voice is None:
         return error(request, "unknown_voice", f"no voice {request.path_params['voice_id']!r}")
@@ -270,6 +297,8 @@ async def voice_delete(request: Request) -> Response:
     caller = _caller(request)
     if caller is None:
         return error(request, "unauthorized", "a valid API key is required")
+    if (answer := not_ready(request)) is not None:
+        return answer
     if not _services(request).voices.delete(request.path_params["voice_id"], caller):
         return error(request, "unknown_voice", f"no voice {request.path_params['voice_id']!r}")
     return Response(status_code=204)
@@ -281,8 +310,8 @@ async def list_models(request: Request) -> Response:
     if caller is None:
         return error(request, "unauthorized", "a valid API key is required")
     services = _services(request)
-    if not services.is_ready:
-        return error(request, "not_ready", "the model is loading or warming up")
+    if (answer := not_ready(request)) is not None:
+        return answer
     info = services.model_info()
     model = {
         "id": info["id"],
@@ -298,6 +327,8 @@ async def speech(request: Request) -> Response:
     caller = _caller(request)
     if caller is None:
         return error(request, "unauthorized", "a valid API key is required")
+    if (answer := not_ready(request)) is not None:
+        return answer
     services = _services(request)
     raw = await _read_body(request, services.settings.limits.max_message_bytes)
     if raw is None:

@@ -46,7 +46,11 @@ async def stream_endpoint(ws: WebSocket) -> None:
         return await _refuse(
             ws, "forbidden_origin", "this origin is not allowed", CLOSE_FORBIDDEN, services
         )
-    if services.connections >= settings.limits.max_connections or not services.is_ready:
+    if not services.is_ready:
+        return await _refuse(
+            ws, "not_ready", "the server is starting: retry shortly", CLOSE_CAPACITY, services
+        )
+    if services.connections >= settings.limits.max_connections:
         return await _refuse(
             ws,
             "over_capacity",

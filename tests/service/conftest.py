@@ -41,6 +41,11 @@ class RunningServer:
             if not self.thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError("uvicorn did not start")
             time.sleep(0.05)
+        services = self.app.state.services  # the port is bound while the model loads
+        while not services.is_ready:
+            if services.load_error is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the server did not become ready: {services.load_error}")
+            time.sleep(0.05)
         port = self.server.servers[0].sockets[0].getsockname()[1]
         self.http = f"http://127.0.0.1:{port}"
         self.ws = f"ws://127.0.0.1:{port}/v1/stream"

@@ -63,7 +63,9 @@ def test_simulated_server_runs_the_same_protocol(tmp_path, model_cache):
     # two that ran just outside it (seen: 19.9 ms a step against 19.7 of wall time).
     assert 19 <= start["window_step_ms"] <= start["window_wall_ms"] * 1.05
     assert start["window_wall_ms"] < 60
-    assert 0 < start["window_rows_per_step"] <= 2
+    # two streams: at most two rows a step, up to the same edge effect (rows are counted when
+    # read, a step later than it launched; seen 2.02)
+    assert 0 < start["window_rows_per_step"] <= 2 * 1.05
     phases = start["window_phase_ms"]
     assert list(phases) == ["schedule", "launch", "audio", "gpu_wait", "rows"]
     assert phases["gpu_wait"] > 10  # the simulated GPU work is waited for there

@@ -69,6 +69,8 @@ def test_synthesize_writes_a_wav_of_the_streamed_audio(tmp_path):
 def test_serve_passes_the_kv_cache_dtype_and_refuses_unknown_ones(monkeypatch, capsys):
     """`clonecast serve --kv-cache-dtype fp8` reaches the service settings (the engine's
     config); an unknown value is refused by the parser, naming the choices."""
+    from types import SimpleNamespace
+
     import pytest
     import uvicorn
 
@@ -76,8 +78,15 @@ def test_serve_passes_the_kv_cache_dtype_and_refuses_unknown_ones(monkeypatch, c
     from service import cli
 
     seen = {}
-    monkeypatch.setattr(service.app, "create_app", lambda settings: seen.setdefault("s", settings))
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: None)
+
+    def create_app(settings):
+        seen["s"] = settings
+        services = SimpleNamespace(load_error=None, on_load_failed=None)
+        return SimpleNamespace(state=SimpleNamespace(services=services))
+
+    monkeypatch.setattr(service.app, "create_app", create_app)
+    monkeypatch.setattr(uvicorn, "Server", lambda config: SimpleNamespace(run=lambda: None))
+    monkeypatch.setattr(cli, "_check_port", lambda host, port: None)
     monkeypatch.delenv("CLONECAST_KV_CACHE_DTYPE", raising=False)
     assert cli.main(["serve", "--device", "cpu", "--kv-cache-dtype", "fp8"]) == 0
     assert seen["s"].kv_cache_dtype == "fp8"
@@ -116,3 +125,21 @@ def test_a_bad_setting_fails_in_one_line_naming_it(tmp_path):
         assert r.returncode == 2, r.stderr
         [line] = r.stderr.strip().splitlines()
         assert line.startswith("error: ") and name in line
+
+
+def test_a_port_in_use_and_a_failed_load_are_one_line(tmp_path):
+    """Before the model loads, a port in use names the setting (exit 2); a model that fails
+    to load stops the server after binding, in one line (exit 1)."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = _run(["serve", "--port", str(port)], tmp_path)
+    assert r.returncode == 2 and "CLONECAST_PORT" in r.stderr.strip().splitlines()[-1]
+    missing = tmp_path / "no-such-model"
+    r = _run(["serve", "--port", "0", "--model", str(missing)], tmp_path)
+    assert r.returncode == 1, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and "no-such-model" in last
