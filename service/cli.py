@@ -126,21 +126,23 @@ def synthesize(args: argparse.Namespace) -> int:
                     seconds += chunk.duration_s
                     if first_audio is None and chunk.pcm:
                         first_audio = time.perf_counter() - t0
-                    elapsed = time.perf_counter() - t0
-                    print(
-                        f"\r{chunk.index + 1} chunks, {seconds:6.2f} s of audio in "
-                        f"{elapsed:6.2f} s",
-                        end="",
-                        file=sys.stderr,
-                        flush=True,
-                    )
+                    if sys.stderr.isatty():  # a log gets the summary line only
+                        elapsed = time.perf_counter() - t0
+                        print(
+                            f"\r{chunk.index + 1} chunks, {seconds:6.2f} s of audio in "
+                            f"{elapsed:6.2f} s",
+                            end="",
+                            file=sys.stderr,
+                            flush=True,
+                        )
                 if event.finished:
                     reason = event.finish_reason
     elapsed = time.perf_counter() - t0
     rtf = elapsed / seconds if seconds else float("inf")
     first = f"{first_audio * 1e3:.0f} ms" if first_audio is not None else "-"
     print(
-        f"\n{seconds:.2f} s of audio (finish: {reason}), first audio {first}, "
+        f"{chr(10) if sys.stderr.isatty() else ''}{seconds:.2f} s of audio (finish: {reason}), "
+        f"first audio {first}, "
         f"real-time factor {rtf:.2f} -> {out}",
         file=sys.stderr,
     )

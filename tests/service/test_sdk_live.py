@@ -92,6 +92,8 @@ def test_say_cli_writes_a_wav(server, tmp_path):
     assert result.returncode == 0, result.stderr
     with wave.open(str(out)) as w:
         assert w.getnframes() == 20 * 960
+    assert "\r" not in result.stderr  # not a terminal: no progress line rewritten in place
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ref.wav", "say.wav"]  # no partial
     unknown = [
         sys.executable,
         "-m",
@@ -108,3 +110,15 @@ def test_say_cli_writes_a_wav(server, tmp_path):
     ]
     bad = subprocess.run(unknown, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 1 and "unknown_voice" in bad.stderr
+
+
+def test_a_failed_say_leaves_no_file(server, tmp_path):
+    """The text is refused after the file was opened (its speak fails): nothing is left."""
+    out = tmp_path / "failed.wav"
+    cmd = [
+        sys.executable, "-m", "service.cli", "say", "--url", server.ws,
+        "--text", "say <|audio|> now", "--out", str(out),
+    ]  # fmt: skip
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1 and "error: bad_request" in result.stderr
+    assert list(tmp_path.iterdir()) == []

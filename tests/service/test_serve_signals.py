@@ -85,3 +85,41 @@ def test_a_signal_stops_server_and_engine_without_leaks(sig, tmp_path):
     while any(_alive(c) for c in children) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(_alive(c) for c in children)
+
+
+def test_the_port_answers_while_the_model_loads(tmp_path):
+    """The first answers come before the model is ready: /health 200 "loading" and /ready
+    503 saying what loading does; then both turn ready. (Loading the embedded model takes
+    seconds: writing it, importing torch, spawning the engine process, a warm-up.)"""
+    import json as json_
+
+    port = _free_port()
+    env = {**os.environ, "CLONECAST_CACHE_DIR": str(tmp_path / "cache"), "CLONECAST_DEVICE": "cpu"}
+    server = subprocess.Popen(
+        [sys.executable, "-m", "service.cli", "serve", "--port", str(port)],
+        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    seen = []
+    try:
+        deadline = time.monotonic() + 240
+        while not seen or seen[-1][0] != "ok":
+            assert server.poll() is None and time.monotonic() < deadline
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                    status = json_.loads(r.read())["status"]
+            except OSError:
+                time.sleep(0.02)
+                continue
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2)
+                ready = 200, None
+            except urllib.error.HTTPError as exc:
+                ready = exc.code, json_.loads(exc.read())
+            seen.append((status, ready))
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    first_status, (first_code, first_body) = seen[0]
+    assert first_status == "loading" and first_code == 503, seen[:3]
+    assert first_body["error"]["code"] == "not_ready" and first_body["progress"]
+    assert seen[-1] == ("ok", (200, None))

@@ -8,6 +8,7 @@ engine, torch or starlette. The server's `clonecast` command adds it (`add_say_p
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 import wave
@@ -22,10 +23,14 @@ DEFAULT_OUT = "out/say.wav"
 
 
 class _WavSink:
+    """The WAV is written beside its name as the audio arrives and takes its name when the
+    utterance has ended (done or cancelled); a failed one leaves no file behind."""
+
     def __init__(self, path: Path):
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.where = str(path)
-        self._wav = wave.open(self.where, "wb")  # sizes are patched after every write
+        self.path, self.where = path, str(path)
+        self._partial = path.with_name(f".{path.name}.partial")
+        self._wav = wave.open(str(self._partial), "wb")  # sizes are patched after every write
         self._wav.setnchannels(1)
         self._wav.setsampwidth(2)
         self._wav.setframerate(SAMPLE_RATE)
@@ -33,8 +38,12 @@ class _WavSink:
     def write(self, pcm: bytes) -> None:
         self._wav.writeframes(pcm)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         self._wav.close()
+        if failed:
+            self._partial.unlink(missing_ok=True)
+        else:
+            os.replace(self._partial, self.path)
 
 
 class _SpeakerSink:
@@ -49,7 +58,7 @@ class _SpeakerSink:
     def write(self, pcm: bytes) -> None:
         self._stream.write(pcm)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         self._stream.stop()  # plays what is buffered before returning
         self._stream.close()
 
@@ -69,6 +78,7 @@ def _import_sounddevice() -> Any:
 
 def _stream(utt: SyncUtterance, sink: _WavSink | _SpeakerSink, t0: float) -> None:
     chunks, audio_s, first_audio = 0, 0.0, None
+    live = sys.stderr.isatty()
     try:
         for chunk in utt:
             if first_audio is None:
@@ -76,11 +86,12 @@ def _stream(utt: SyncUtterance, sink: _WavSink | _SpeakerSink, t0: float) -> Non
             sink.write(chunk.data)
             chunks += 1
             audio_s += len(chunk.data) / 2 / SAMPLE_RATE
-            elapsed = time.perf_counter() - t0
-            progress = f"\r{chunks} chunks, {audio_s:6.2f} s of audio in {elapsed:6.2f} s"
-            print(progress, end="", file=sys.stderr, flush=True)
+            if live:  # a terminal: one line rewritten in place (a log gets the summary only)
+                elapsed = time.perf_counter() - t0
+                progress = f"\r{chunks} chunks, {audio_s:6.2f} s of audio in {elapsed:6.2f} s"
+                print(progress, end="", file=sys.stderr, flush=True)
     finally:
-        if chunks:
+        if chunks and live:
             print(file=sys.stderr)  # ends the progress line
     first = f"{first_audio * 1e3:.0f} ms" if first_audio is not None else "-"
     reason = (utt.done or {}).get("reason", "cancelled")
@@ -131,14 +142,17 @@ def say(args: argparse.Namespace) -> int:
             sink = (
                 _SpeakerSink(sounddevice) if args.play else _WavSink(Path(args.out or DEFAULT_OUT))
             )
+            failed = True
             try:
                 _stream(utt, sink, t0)
+                failed = False
             except KeyboardInterrupt:
                 utt.cancel()
+                failed = False  # the audio so far is kept
                 print("cancelled", file=sys.stderr)
                 return 130
             finally:
-                sink.close()
+                sink.close(failed)
     except ClonecastError as exc:
         print(f"error: {exc.code}: {exc.message}", file=sys.stderr)
         return 1
