@@ -34,11 +34,13 @@ from service.config import ServiceSettings
 from service.engine_client import EngineClient
 from service.engine_host import EngineSpec, settle_garbage_collector
 from service.http_api import (
+    api_page,
     health,
     http_error,
     list_models,
     list_voices,
     metrics,
+    openapi,
     ready,
     speech,
     token_create,
@@ -275,6 +277,8 @@ def create_app(settings: ServiceSettings | None = None, engine: Engine | None = 
         WebSocketRoute("/v1/stream", stream_endpoint),
         Route("/v1/audio/speech", speech, methods=["POST"]),
         Route("/v1/models", list_models, methods=["GET"]),
+        Route("/openapi.json", openapi, methods=["GET"]),
+        Route("/docs", api_page, methods=["GET"]),
         Route("/v1/tokens", token_create, methods=["POST"]),
         Route("/v1/voices", voice_create, methods=["POST"]),
         Route("/v1/voices", list_voices, methods=["GET"]),

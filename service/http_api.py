@@ -13,12 +13,14 @@ from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
 from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
 from engine import ConfigError
 from service.audio_containers import CONTAINERS, ContainerEncoder, check_rate
 from service.audio_format import wav_header
 from service.auth import Caller, caller_for, extract_key
+from service.openapi import document as openapi_document
+from service.openapi import page as openapi_page
 from service.protocol import ProtocolError, check_transcript, loads_json, parse_params
 from service.text_segments import split_text
 from service.tokens import DEFAULT_TTL_S, MAX_TTL_S
@@ -302,6 +304,15 @@ async def voice_delete(request: Request) -> Response:
     if not _services(request).voices.delete(request.path_params["voice_id"], caller):
         return error(request, "unknown_voice", f"no voice {request.path_params['voice_id']!r}")
     return Response(status_code=204)
+
+
+async def openapi(request: Request) -> Response:
+    """The HTTP API as OpenAPI 3.1 (open, like /health: it holds no secret)."""
+    return JSONResponse(openapi_document())
+
+
+async def api_page(request: Request) -> Response:
+    return HTMLResponse(openapi_page(openapi_document()))
 
 
 async def list_models(request: Request) -> Response:

@@ -12,7 +12,7 @@ from starlette.staticfiles import StaticFiles
 
 WEB_DIR = Path(__file__).resolve().parents[1] / "web"
 _NOT_SERVED = ("node_modules", "test", "package.json", "package-lock.json")
-API_PREFIXES = ("/v1/", "/health", "/ready", "/metrics")  # the API's own paths
+API_PREFIXES = ("/v1/", "/health", "/ready", "/metrics", "/openapi.json", "/docs")
 
 
 class WebFiles(StaticFiles):
