@@ -190,6 +190,7 @@ def serve(args: argparse.Namespace) -> int:
         prefix_caching=False if args.no_prefix_caching else None,
     )
     _check_port(settings.host, settings.port)
+    _check_model_path(settings.model)
     app = create_app(settings)
     print(
         f"clonecast: loading {settings.model or 'the embedded default model (untrained)'}; "
@@ -208,6 +209,14 @@ def serve(args: argparse.Namespace) -> int:
         print(f"error: {services.load_error}", file=sys.stderr)
         return 1
     return 0
+
+
+def _check_model_path(model: str | None) -> None:
+    """A model given as a path (not a hub id) that does not exist, before anything loads."""
+    if model is None or not model.startswith((".", "/", "~")):
+        return
+    if not Path(model).expanduser().is_dir():
+        raise ConfigError(f"--model / CLONECAST_MODEL {model!r} is not a directory")
 
 
 def _check_port(host: str, port: int) -> None:

@@ -138,8 +138,14 @@ def test_a_port_in_use_and_a_failed_load_are_one_line(tmp_path):
         port = taken.getsockname()[1]
         r = _run(["serve", "--port", str(port)], tmp_path)
     assert r.returncode == 2 and "CLONECAST_PORT" in r.stderr.strip().splitlines()[-1]
-    missing = tmp_path / "no-such-model"
+    missing = tmp_path / "no-such-model"  # a path: refused before loading, naming it
     r = _run(["serve", "--port", "0", "--model", str(missing)], tmp_path)
+    assert r.returncode == 2, r.stderr
+    [line] = r.stderr.strip().splitlines()
+    assert line.startswith("error: ") and "no-such-model" in line and "CLONECAST_MODEL" in line
+    broken = tmp_path / "broken-model"  # a directory that is no checkpoint: the load fails
+    broken.mkdir()
+    r = _run(["serve", "--port", "0", "--model", str(broken)], tmp_path)
     assert r.returncode == 1, r.stderr
     last = r.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: ") and "no-such-model" in last
+    assert last.startswith("error: ") and "broken-model" in last
