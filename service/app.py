@@ -42,13 +42,13 @@ from service.http_api import (
     metrics,
     openapi,
     ready,
-    speech,
     token_create,
     voice_create,
     voice_delete,
     voice_get,
 )
 from service.metrics import Metrics
+from service.speech_api import speech
 from service.tokens import TokenIssuer
 from service.voice_db import VoiceDatabase
 from service.voices import Voice, VoiceStore, check_name, voice_id_for

@@ -1,6 +1,6 @@
 """The HTTP API described as OpenAPI 3.1 (`GET /openapi.json`) and as a page for people
 (`GET /docs`, rendered from the same document). The speech request's fields come from
-http_api.SPEECH_FIELDS' schema here, checked against it by the tests; the WebSocket
+speech_api.SPEECH_FIELDS' schema here, checked against it by the tests; the WebSocket
 protocol is described beside it in docs/protocol.md."""
 
 from __future__ import annotations

@@ -51,7 +51,7 @@ MUTANTS = (
     ),
     Mutant(
         "wrong-rate-in-wav-header",
-        "service/http_api.py",
+        "service/speech_api.py",
         "wav_header(fmt.sample_rate, len(audio) - 44)",
         "wav_header(24000, len(audio) - 44)",
         (f"{HTTP}[http-clone-22k-whole]",),

@@ -8,7 +8,7 @@ import httpx
 from openapi_spec_validator import validate
 from starlette.routing import Route
 
-from service.http_api import SPEECH_FIELDS
+from service.speech_api import SPEECH_FIELDS
 
 
 def test_the_document_is_valid_openapi_3_1(server):
