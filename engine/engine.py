@@ -405,6 +405,7 @@ class Engine:
             num_preemptions=self._counters.preemptions,
             num_voice_encodes=self.codec.encoder.num_encodes if self.codec else 0,
             num_voice_cache_hits=self.codec.voices.stats.hits if self.codec else 0,
+            num_voice_cache_bytes=self.codec.voices.stats.bytes if self.codec else 0,
             num_steps=self._counters.steps,
             num_rows_generated=self._counters.rows,
             step_seconds_total=self._counters.seconds,

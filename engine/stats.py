@@ -33,6 +33,7 @@ class EngineStats:
     num_preemptions: int
     num_voice_encodes: int = 0
     num_voice_cache_hits: int = 0
+    num_voice_cache_bytes: int = 0  # what the codec's voice cache holds (bounded)
     num_steps: int = 0
     num_rows_generated: int = 0
     step_seconds_total: float = 0.0  # host wall time inside step(), GPU waits included

@@ -255,6 +255,11 @@ class Metrics:
                 registry=r,
             )
         )
+        self.voice_cache_bytes = Gauge(
+            p + "voice_cache_bytes",
+            "Bytes of encoded references the engine's voice cache holds (bounded, LRU)",
+            registry=r,
+        )
         self.capture_memory = Gauge(
             p + "graph_capture_memory_bytes",
             "Memory taken by captured graphs",
@@ -314,6 +319,7 @@ class Metrics:
         self.preemptions.update(stats.num_preemptions)
         self.voice_hits.update(stats.num_voice_cache_hits)
         self.voice_misses.update(stats.num_voice_encodes)
+        self.voice_cache_bytes.set(stats.num_voice_cache_bytes)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
