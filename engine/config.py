@@ -24,6 +24,8 @@ MAX_ROWS = 2048  # 2048 rows -> 2040 frames -> 81.6 s
 MAX_AUDIO_SECONDS = (MAX_ROWS - NUM_CODEBOOKS) / FRAMES_PER_SECOND  # 81.6
 MAX_TEMPERATURE = 100.0
 
+QUANTIZATIONS = ("none", "fp8")  # EngineConfig.quantization
+
 ADDED_TOKENS = ("<|tts|>", "<|text|>", "<|audio|>", "<|ref_audio|>", "<|ref_text|>")
 
 
@@ -169,6 +171,10 @@ class EngineConfig:
     # saturating at +-448): half the cache memory (twice the blocks) and half the bytes
     # attention reads each step; lossy. Triton or torch attention backends only.
     kv_cache_dtype: str = "auto"
+    # The decoder's projection weights: "none" (the model dtype) or "fp8" (float8 e4m3, one
+    # scale per output channel; inputs quantized per token; engine/quantization.py): about
+    # half the bytes a decode step reads; lossy, opt-in. CUDA: bf16 only.
+    quantization: str = "none"
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # no CUDA graphs (debugging, comparison)
     # Each step's events include one per generated row (`new_rows`); False: only audio chunks
@@ -198,6 +204,18 @@ class EngineConfig:
             raise ConfigError("kv_cache_memory_fraction must be in (0, 1)")
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ConfigError(f"kv_cache_dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ConfigError(
+                f"quantization must be one of {list(QUANTIZATIONS)}, got {self.quantization!r}"
+            )
+        if (
+            self.quantization == "fp8"
+            and self.device.startswith("cuda")
+            and self.dtype not in ("auto", "bfloat16")
+        ):
+            raise ConfigError(
+                f"quantization='fp8' on CUDA needs dtype bfloat16 (or auto), got {self.dtype!r}"
+            )
         if not isinstance(self.plan_overrides, Mapping):
             raise ConfigError("plan_overrides must be a mapping of plan field -> value")
         # a copy: later changes to the caller's dict do not reach this config

@@ -78,7 +78,9 @@ class Engine:
         self.device, self.dtype = device, resolve_dtype(config.dtype, device)
         dtype = self.dtype
         backend = make_backend(self.plan)
-        self.model, self.codec_keys = load_model(checkpoint, backend, device, dtype, self.plan)
+        self.model, self.codec_keys = load_model(
+            checkpoint, backend, device, dtype, self.plan, config.quantization
+        )
         num_blocks = config.num_kv_blocks or auto_num_kv_blocks(config, self.model, device)
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.blocks)

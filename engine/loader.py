@@ -19,6 +19,7 @@ from engine.attention import AttentionBackend
 from engine.config import ConfigError, ModelConfig
 from engine.model import HiggsModel
 from engine.plan import ExecutionPlan
+from engine.quantization import quantize_model
 
 TEXT_EMBED_KEY = "tied.embedding.text_embedding.weight"
 AUDIO_TABLE_KEY = "tied.embedding.modality_embeddings.0.embedding.weight"
@@ -131,9 +132,11 @@ def load_model(
     device: torch.device,
     dtype: torch.dtype,
     plan: ExecutionPlan | None = None,
+    quantization: str = "none",
 ) -> tuple[HiggsModel, list[str]]:
     """Builds the model on `device` in `dtype` as `plan` says (default: the plain torch path)
-    and fills it from the checkpoint. Returns the model and the names of the codec keys found
+    and fills it from the checkpoint, then quantizes its projections if `quantization` is
+    "fp8" (engine/quantization.py). Returns the model and the names of the codec keys found
     (loaded by the codec, not here)."""
     _, cfg = read_config(ckpt)
     with torch.device(device):
@@ -164,4 +167,6 @@ def load_model(
     if missing:
         raise ConfigError(f"checkpoint is missing key {missing[0]!r} ({len(missing)} missing)")
     model.eval().requires_grad_(False)
+    if quantization == "fp8":
+        quantize_model(model)
     return model, codec_keys

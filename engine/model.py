@@ -75,6 +75,10 @@ class TorchOps:
 
     qk_norm_rope_store = None  # no fused K/V store: the backend's forward writes them
 
+    # add + RMSNorm whose output only feeds a projection (engine/quantization.py's ops
+    # quantize it there)
+    projection_norm = add_rms_norm
+
     @staticmethod
     def linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, layer.weight)
@@ -98,6 +102,8 @@ class TritonOps:
         from kernels.norm_rope import add_rms_norm
 
         return add_rms_norm(x, residual, weight, eps)
+
+    projection_norm = add_rms_norm
 
     @staticmethod
     def norm_rope_args(attn, qkv, positions, rope) -> tuple:
@@ -152,12 +158,18 @@ class SkinnyGemmOps(TritonOps):
             return TritonOps.gated_linear(layer, gate_up)
         return self._gemm(layer, gate_up, gated=True)
 
-    def _gemm(self, layer: nn.Linear, x: torch.Tensor, gated: bool) -> torch.Tensor:
+    def skinny_fp8(self, layer, x: torch.Tensor, gated: bool) -> torch.Tensor:
+        """An fp8 projection (engine/quantization.py's Fp8Linear) of few rows: the float8
+        weight streamed and widened in the GEMM, x unquantized."""
+        return self._gemm(layer, x, gated, weight_scale=layer.weight_scale)
+
+    def _gemm(self, layer, x: torch.Tensor, gated: bool, **scale) -> torch.Tensor:
         from kernels.skinny_gemm import skinny_gemm, skinny_tiles
 
         n, k = layer.weight.shape
         tiles = skinny_tiles(x.shape[0], n, k, self.loads.get("tma", False))
-        return skinny_gemm(x, layer.weight, self.counters, gated=gated, **self.loads, **tiles)
+        w = layer.weight
+        return skinny_gemm(x, w, self.counters, gated=gated, **scale, **self.loads, **tiles)
 
 
 def _pdl_scope(enabled: bool):
@@ -226,9 +238,9 @@ class DecoderLayer(nn.Module):
         """`(x, residual) -> (x, residual)`; the residual sum is carried to the next norm so
         add and norm run as one step."""
         eps = self.input_layernorm.eps
-        h, residual = ops.add_rms_norm(x, residual, self.input_layernorm.weight, eps)
+        h, residual = ops.projection_norm(x, residual, self.input_layernorm.weight, eps)
         h = self.self_attn(h, positions, kv_cache, rope, ops)
-        h, residual = ops.add_rms_norm(h, residual, self.post_attention_layernorm.weight, eps)
+        h, residual = ops.projection_norm(h, residual, self.post_attention_layernorm.weight, eps)
         return self.mlp(h, ops), residual
 
 
@@ -242,6 +254,7 @@ class HiggsModel(nn.Module):
         super().__init__()
         self.config = cfg
         self.ops = TritonOps if plan.fused_ops else TorchOps
+        self.fused_ops = plan.fused_ops
         self.pdl = plan.pdl  # Triton launches use programmatic dependent launch
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         if plan.few_row_gemm_rows:

@@ -1,5 +1,6 @@
 """Fused elementwise kernels of the decoder layer, each with its plain torch reference:
-residual add + RMSNorm, per-head q/k RMSNorm + RoPE, and SiLU-gated multiply.
+residual add + RMSNorm (optionally quantized to float8 for the projection it feeds),
+per-head q/k RMSNorm + RoPE, and SiLU-gated multiply.
 
 Rounding follows transformers' Qwen3 exactly (fp32 math, rounded to the model dtype at the
 same points), so a fused step equals the unfused one up to the last-bit differences of fp32
@@ -12,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.fp8_quant import quantize_row
 from kernels.kv_store import to_cache
 from kernels.launch import pdl_enter, pdl_launch
 
@@ -23,32 +25,38 @@ def _add_rms_norm_kernel(
     w_ptr,
     out_ptr,
     sum_ptr,
+    scale_ptr,
     eps,
     H: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    QUANT: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    # QUANT: out_ptr is float8 and the normed row (rounded to x's dtype first, as the
+    # unquantized output) is stored quantized, its scale at scale_ptr (kernels/fp8_quant.py)
     pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < H
+    dtype = x_ptr.dtype.element_ty
     x = tl.load(x_ptr + row * H + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         x = x.to(tl.float32) + tl.load(r_ptr + row * H + cols, mask=mask, other=0.0).to(tl.float32)
-        x = x.to(out_ptr.dtype.element_ty)
+        x = x.to(dtype)
         tl.store(sum_ptr + row * H + cols, x, mask=mask)
     xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / H + eps)
-    normed = (xf * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
+    normed = (xf * rstd).to(dtype).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * H + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+    y = (w * normed).to(dtype)
+    if QUANT:
+        quantize_row(y.to(tl.float32), mask, out_ptr + row * H, scale_ptr + row)
+    else:
+        tl.store(out_ptr + row * H + cols, y, mask=mask)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
-    """(rms_norm(x + residual), x + residual); without a residual, (rms_norm(x), x)."""
-    h = x.shape[-1]
-    out = torch.empty_like(x)
+def _launch_add_rms_norm(x, residual, weight, eps, out, scale):
     total = torch.empty_like(x) if residual is not None else x
     _add_rms_norm_kernel[(x.shape[0],)](
         x,
@@ -56,13 +64,30 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
         weight,
         out,
         total,
+        scale if scale is not None else out,
         eps,
-        H=h,
-        BLOCK=triton.next_power_of_2(h),
+        H=x.shape[-1],
+        BLOCK=triton.next_power_of_2(x.shape[-1]),
         HAS_RESIDUAL=residual is not None,
+        QUANT=scale is not None,
         **pdl_launch(),
     )
-    return out, total
+    return total
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    """(rms_norm(x + residual), x + residual); without a residual, (rms_norm(x), x)."""
+    out = torch.empty_like(x)
+    return out, _launch_add_rms_norm(x, residual, weight, eps, out, None)
+
+
+def add_rms_norm_fp8(x, residual, weight, eps):
+    """(float8 rows `[T, H]`, fp32 scales `[T, 1]`, x + residual): `add_rms_norm`'s output
+    quantized per row as `fp8_quant.quantize_rows` would, in the same launch."""
+    out = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(x.shape[0], 1, dtype=torch.float32, device=x.device)
+    total = _launch_add_rms_norm(x, residual, weight, eps, out, scale)
+    return out, scale, total
 
 
 def add_rms_norm_reference(x, residual, weight, eps):

@@ -49,16 +49,18 @@ def _x_tile(x_cols, k, m_ok, hi, K, GATED: tl.constexpr, MASK_K: tl.constexpr):
 
 @triton.jit
 def _skinny_gemm_kernel(
-    x_ptr, up_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K, stride_xm, stride_wn,
-    stride_om, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
-    EVEN_K: tl.constexpr, IEEE: tl.constexpr, GATED: tl.constexpr, TMA: tl.constexpr,
-    PDL: tl.constexpr,
+    x_ptr, up_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, count_ptr, M, N, K, stride_xm,
+    stride_wn, stride_om, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    SPLIT: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, GATED: tl.constexpr,
+    TMA: tl.constexpr, W_FP8: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     # Grid (N / BN, SPLIT). The tile is transposed (acc[n, m] = W[n, :] . x[m, :]) so that the
     # weight's rows are the tensor-core tile's tall side and the few x rows its narrow one.
     # With TMA, x_ptr / up_ptr / w_ptr are tensor descriptors (x and up `[M, K]`, blocks
     # `[BM, BK]`; w `[N, K]`, blocks `[BN, BK]`): the copy engine fetches whole tiles, rows
-    # and columns past the ends read as zeros.
+    # and columns past the ends read as zeros. W_FP8: w is float8 with one fp32 scale per
+    # output row at ws_ptr; each tile is widened to x's dtype before the dot and the scales
+    # applied to the fp32 sums (they are constant along K).
     tile, split = tl.program_id(0), tl.program_id(1)
     n = tile * BN + tl.arange(0, BN)
     m = tl.arange(0, BM)
@@ -77,7 +79,7 @@ def _skinny_gemm_kernel(
             x = x_ptr.load([0, k0])
             if GATED:  # x holds [gate | up]
                 x = _silu_mul(x, up_ptr.load([0, k0]))
-            acc = _dot(w, tl.trans(x), acc, IEEE)
+            acc = _dot(w.to(x.dtype), tl.trans(x), acc, IEEE)
     else:
         for k0 in range(lo, hi, BK):
             k = k0 + tl.arange(0, BK)
@@ -85,7 +87,10 @@ def _skinny_gemm_kernel(
                 w = tl.load(w_rows + k[None, :], mask=n_ok[:, None], other=0.0)
             else:
                 w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < hi)[None, :], other=0.0)
-            acc = _dot(w, _x_tile(x_cols, k, m_ok, hi, K, GATED, not EVEN_K), acc, IEEE)
+            x = _x_tile(x_cols, k, m_ok, hi, K, GATED, not EVEN_K)
+            acc = _dot(w.to(x.dtype), x, acc, IEEE)
+    if W_FP8:
+        acc *= tl.load(ws_ptr + n, mask=n_ok, other=0.0)[:, None]
     out_at = out_ptr + m[None, :] * stride_om + n[:, None]
     out_ok = n_ok[:, None] & m_ok[None, :]
     if SPLIT == 1:
@@ -148,6 +153,7 @@ def skinny_gemm(
     num_warps: int = 4,
     num_stages: int = 4,
     tma: bool = False,
+    weight_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`x [M, K] @ weight [N, K]^T -> [M, N]` in x's dtype (fp32 accumulation), for M up to
     64. `counters`: int32, at least `ceil(N / block_n)`, all zero; every launch leaves them
@@ -156,13 +162,17 @@ def skinny_gemm(
     activation folded into the down projection). Tile knobs as `skinny_tiles`, which gives
     the defaults the engine uses; `tma`: tiles fetched by the copy engine (Hopper tensor
     memory access, through tensor descriptors; needs 16-byte aligned rows) instead of
-    per-thread loads (faster on the H200 at 1 to 16 rows, slower at 64: docs/perf-log/)."""
+    per-thread loads (faster on the H200 at 1 to 16 rows, slower at 64: docs/perf-log/).
+    `weight_scale`: fp32, one per output row, for a float8 `weight` (W ~ weight * scale):
+    half the bytes streamed, x stays in its dtype."""
     m, k = x.shape[0], weight.shape[1]
     n = weight.shape[0]
     if x.shape[1] != (2 * k if gated else k) or weight.stride(1) != 1 or x.stride(1) != 1:
         raise ValueError(f"x [M, K], weight [N, K], K contiguous: got {x.shape}, {weight.shape}")
     if m > 64:
         raise ValueError(f"skinny_gemm takes at most 64 rows, got {m}")
+    if (weight_scale is not None) != (weight.dtype == torch.float8_e4m3fn):
+        raise ValueError("a float8 weight needs its weight_scale, and only a float8 weight")
     block_m = block_m or max(16, triton.next_power_of_2(m))
     tiles = triton.cdiv(n, block_n)
     if split > 1 and (counters.dtype != torch.int32 or counters.numel() < tiles):
@@ -184,6 +194,7 @@ def skinny_gemm(
         x_arg,
         up_arg,
         w_arg,
+        weight_scale if weight_scale is not None else out,
         out,
         parts,
         counters,
@@ -201,6 +212,7 @@ def skinny_gemm(
         IEEE=x.dtype == torch.float32,
         GATED=gated,
         TMA=tma,
+        W_FP8=weight_scale is not None,
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl_launch(),

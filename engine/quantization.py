@@ -1,0 +1,158 @@
+"""FP8 weights (`EngineConfig.quantization="fp8"`, opt-in and lossy): the decoder's four
+projections per layer (qkv, o, gate-up, down: 96% of the bytes a decode step reads) stored
+as float8 e4m3 with one scale per output channel, their inputs quantized per token at run
+time, the product through a row-wise scaled fp8 matmul (`torch._scaled_mm`) on CUDA.
+
+Embeddings, the tied audio head, norms and the KV cache stay in the model dtype: the head
+and embeddings share one table (quantizing it would also quantize every input row) and the
+rest is too small to matter. Owns the quantization math (its torch version is the CPU path
+and the reference of kernels/fp8_quant.py), the quantized linear and the ops wrapper that
+routes the model's projections through it; knows nothing of scheduling or requests.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import ConfigError
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # torch.finfo(FP8).max
+MIN_AMAX = 1e-12  # an all-zero row (padding) quantizes to zeros, never NaN
+
+
+class QuantizedRows(NamedTuple):
+    """A projection's input already quantized: `data` float8 `[T, K]`, `scale` fp32 `[T, 1]`
+    (x ~ data * scale)."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[N, K]` -> (float8 `[N, K]`, fp32 scales `[1, N]`): each output channel's absolute
+    maximum maps to 448."""
+    w = weight.float()
+    scale = w.abs().amax(1, keepdim=True).clamp(min=MIN_AMAX) / FP8_MAX  # [N, 1]
+    return (w / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale.t().contiguous()
+
+
+def quantize_rows(x: torch.Tensor) -> QuantizedRows:
+    """Per-token dynamic scales: each row's absolute maximum maps to 448 (the torch version of
+    kernels/fp8_quant.py's `quantize_rows`, which rounds the same way)."""
+    xf = x.float()
+    scale = xf.abs().amax(-1, keepdim=True).clamp(min=MIN_AMAX) / FP8_MAX
+    return QuantizedRows((xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale)
+
+
+class Fp8Linear(nn.Module):
+    """A bias-free projection `y = x @ W^T` with W stored as float8 `weight [N, K]` times
+    `weight_scale [1, N]`. Forward only through `Fp8Ops` (which quantizes its input)."""
+
+    def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("weight", weight)
+        self.register_buffer("weight_scale", weight_scale)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> Fp8Linear:
+        return cls(*quantize_weight(linear.weight.data))
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """W as the matmul sees it, `[N, K]` in `dtype` (the CPU path and tests)."""
+        return (self.weight.float() * self.weight_scale.t()).to(dtype)
+
+
+def scaled_matmul(rows: QuantizedRows, layer: Fp8Linear, out_dtype: torch.dtype) -> torch.Tensor:
+    """`rows @ W^T` -> `[T, N]` in `out_dtype`: on CUDA one fp8 tensor-core matmul with both
+    scales applied to its fp32 sums; elsewhere the same sum over dequantized operands."""
+    if rows.data.is_cuda:
+        # _scaled_mm: the second operand column-major (W^T of a row-major W), row-wise
+        # scales [T, 1] and [1, N], bf16 out (the row-wise kernel's only output type)
+        return torch._scaled_mm(
+            rows.data, layer.weight.t(), rows.scale, layer.weight_scale, out_dtype=out_dtype
+        )
+    x = rows.data.float() * rows.scale
+    return F.linear(x, layer.dequantized(torch.float32)).to(out_dtype)
+
+
+class Fp8Ops:
+    """The model's ops (`base`: TorchOps, TritonOps or SkinnyGemmOps) with every projection in
+    fp8. Steps of up to `base.max_rows` tokens (the few-row GEMM) read the fp8 weight in our
+    GEMM with unquantized inputs; larger steps quantize the input (in the norm or SiLU kernel
+    that makes it, with fused ops) and take the scaled fp8 matmul. Everything else is the
+    base's."""
+
+    def __init__(self, base, fused: bool, dtype: torch.dtype):
+        self.base = base
+        self.fused = fused  # Triton quantization kernels (CUDA with the fused ops)
+        self.dtype = dtype  # of activations and every projection's output
+        self.max_rows = getattr(base, "max_rows", 0)
+
+    def __getattr__(self, name):  # qk_norm_rope, add_rms_norm, ...: the base's own
+        if name == "base":  # not yet set (copying): no recursion
+            raise AttributeError(name)
+        return getattr(self.base, name)
+
+    def _skinny(self, rows: int) -> bool:
+        return rows <= self.max_rows
+
+    def _quantize(self, x: torch.Tensor, gated: bool = False) -> QuantizedRows:
+        if self.fused:
+            from kernels.fp8_quant import quantize_rows as quantize_kernel
+
+            return QuantizedRows(*quantize_kernel(x, gated))
+        return quantize_rows(self.base.silu_mul(x) if gated else x)
+
+    def projection_norm(self, x, residual, weight, eps):
+        """add + RMSNorm of a projection's input: quantized by the norm kernel itself where
+        the fp8 matmul will read it."""
+        if not self.fused or self._skinny(x.shape[0]):
+            return self.base.add_rms_norm(x, residual, weight, eps)
+        from kernels.norm_rope import add_rms_norm_fp8
+
+        data, scale, total = add_rms_norm_fp8(x, residual, weight, eps)
+        return QuantizedRows(data, scale), total
+
+    def linear(self, layer: Fp8Linear, x) -> torch.Tensor:
+        if isinstance(x, QuantizedRows):
+            return scaled_matmul(x, layer, self.dtype)
+        if self._skinny(x.shape[0]):
+            return self.base.skinny_fp8(layer, x, gated=False)
+        return scaled_matmul(self._quantize(x), layer, self.dtype)
+
+    def gated_linear(self, layer: Fp8Linear, gate_up: torch.Tensor) -> torch.Tensor:
+        """The MLP's down projection of silu(gate) * up: SiLU and quantization in one kernel."""
+        if self._skinny(gate_up.shape[0]):
+            return self.base.skinny_fp8(layer, gate_up, gated=True)
+        return scaled_matmul(self._quantize(gate_up, gated=True), layer, self.dtype)
+
+
+PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+
+def quantize_model(model: nn.Module) -> None:
+    """Replaces every decoder layer's projections with `Fp8Linear`s and the model's ops with
+    `Fp8Ops`, in place, after the checkpoint is loaded. CUDA needs bf16 activations and
+    dimensions that are multiples of 16 (the fp8 matmul's requirements)."""
+    device = model.embed_tokens.weight.device
+    dtype = model.embed_tokens.weight.dtype
+    if device.type == "cuda" and dtype != torch.bfloat16:
+        raise ConfigError(f"quantization='fp8' on CUDA needs dtype bfloat16, got {dtype}")
+    for layer in model.layers:
+        for path in PROJECTIONS:
+            owner_name, name = path.split(".")
+            owner = getattr(layer, owner_name)
+            linear = getattr(owner, name)
+            if device.type == "cuda" and any(d % 16 for d in linear.weight.shape):
+                raise ConfigError(
+                    f"quantization='fp8' needs projection sizes divisible by 16; {path} is "
+                    f"{tuple(linear.weight.shape)}: use quantization='none' for this model"
+                )
+            setattr(owner, name, Fp8Linear.from_linear(linear))
+    model.ops = Fp8Ops(model.ops, fused=device.type == "cuda" and model.fused_ops, dtype=dtype)

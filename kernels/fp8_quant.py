@@ -1,0 +1,106 @@
+"""Per-row (per-token) dynamic float8 quantization of a projection's input, in one launch:
+each row's absolute maximum sets its scale (amax / 448, the e4m3 maximum) and the row is
+stored as `round(x / scale)` in float8 e4m3, ready for a row-wise scaled fp8 matmul.
+
+`quantize_row` is the shared device function: kernels that produce a projection's input (the
+residual add + RMSNorm in norm_rope.py) call it on their output tile, so the input is
+quantized where it is made instead of in a launch of its own. Tensors in, tensors out; the
+reference is `quantize_rows_reference`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.launch import pdl_enter, pdl_launch
+
+FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+MIN_AMAX = 1e-12  # an all-zero row (padding) gets this scale's quotient: zeros, never NaN
+
+
+@triton.jit
+def round_to_e4m3(v):
+    """fp32 `v` (|v| <= 448) rounded to the nearest float8 e4m3 value, ties to even, still as
+    fp32, so the cast that follows is exact. Rounded here rather than by the cast because
+    Triton's CPU interpreter rounds an fp8 cast without carrying into the exponent (124.3
+    became 64, not 128): with this the interpreter and the GPU store the same bytes."""
+    a = tl.abs(v)
+    bits = a.to(tl.int32, bitcast=True)  # a >= 0: no sign bit; a <= 448: no overflow below
+    # normal e4m3 (a >= 2**-6): keep 3 of fp32's 23 mantissa bits, round half to even
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
+    # subnormal e4m3: multiples of 2**-9 (a * 512 < 8 is exact, so is everything after)
+    n = a * 512.0
+    whole = n.to(tl.int32)
+    frac = n - whole.to(tl.float32)
+    up = (frac > 0.5) | ((frac == 0.5) & ((whole & 1) == 1))
+    sub = (whole + up.to(tl.int32)).to(tl.float32) * 0.001953125
+    r = tl.where(a >= 0.015625, normal, sub).to(tl.int32, bitcast=True)
+    sign = v.to(tl.int32, bitcast=True) & -2147483648  # kept, -0.0 too (as torch's cast)
+    return (r | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def quantize_row(y, mask, q_ptr, scale_ptr):
+    """Stores row `y` (fp32 `[BLOCK]`, already rounded to the model dtype; lanes outside
+    `mask` ignored) as float8 at `q_ptr + lane` and its scale at `scale_ptr`. The quotient is
+    rounded division (`div_rn`), as torch divides, so both round to the same float8 value."""
+    amax = tl.max(tl.where(mask, tl.abs(y), 0.0), 0)
+    scale = tl.maximum(amax, 1e-12) / 448.0
+    q = round_to_e4m3(tl.clamp(tl.math.div_rn(y, scale), -448.0, 448.0))
+    tl.store(q_ptr + tl.arange(0, y.shape[0]), q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(scale_ptr, scale)
+
+
+@triton.jit
+def _quantize_rows_kernel(
+    x_ptr, q_ptr, scale_ptr, K, stride_x, GATED: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
+):  # fmt: skip
+    # One program per row; the whole row stays in registers (K up to the MLP's 9,728).
+    pdl_enter(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < K
+    dtype = x_ptr.dtype.element_ty
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if GATED:  # x is [gate | up]: silu(gate) * up, rounded where norm_rope.silu_mul rounds
+        up = tl.load(x_ptr + row * stride_x + K + cols, mask=mask, other=0.0).to(tl.float32)
+        act = (x / (1.0 + tl.exp(-x))).to(dtype).to(tl.float32)
+        x = (act * up).to(dtype).to(tl.float32)
+    quantize_row(x, mask, q_ptr + row * K, scale_ptr + row)
+
+
+def quantize_rows(x: torch.Tensor, gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x [M, K]` -> (float8 e4m3 `[M, K]`, fp32 scales `[M, 1]`), `x ~ q * scale`. `gated`:
+    x is `[M, 2K]` = [gate | up] and the quantized rows are silu(gate) * up."""
+    m, width = x.shape
+    k = width // 2 if gated else width
+    if x.stride(1) != 1:
+        raise ValueError(f"quantize_rows needs contiguous rows, got strides {x.stride()}")
+    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
+    block = triton.next_power_of_2(k)
+    _quantize_rows_kernel[(m,)](
+        x,
+        q,
+        scale,
+        k,
+        x.stride(0),
+        GATED=gated,
+        BLOCK=block,
+        num_warps=max(4, min(16, block // 512)),
+        **pdl_launch(),
+    )
+    return q, scale
+
+
+def quantize_rows_reference(x: torch.Tensor, gated: bool = False):
+    if gated:
+        gate, up = x.chunk(2, dim=-1)
+        x = torch.nn.functional.silu(gate) * up
+    xf = x.float()
+    scale = xf.abs().amax(-1, keepdim=True).clamp(min=MIN_AMAX) / FP8_MAX
+    q = (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
