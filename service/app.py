@@ -126,6 +126,7 @@ class Services:
             max_num_batched_tokens=max(512, self.settings.max_num_seqs),
             enforce_eager=not self.settings.cuda_graphs,
             kv_cache_dtype=self.settings.kv_cache_dtype,
+            quantization=self.settings.quantization,
             enable_prefix_caching=self.settings.prefix_caching,
             row_events=False,  # sessions stream audio chunks and finishes only
             plan_overrides=(

@@ -187,6 +187,7 @@ def serve(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs,
         cuda_graphs=False if args.eager else None,
         kv_cache_dtype=args.kv_cache_dtype,
+        quantization=args.quantization,
         prefix_caching=False if args.no_prefix_caching else None,
     )
     _check_port(settings.host, settings.port)
@@ -247,6 +248,11 @@ def main(argv: list[str] | None = None) -> int:
         "--kv-cache-dtype",
         choices=("auto", "fp8"),
         help="KV cache element type (default auto: the model's; fp8: twice the blocks, lossy)",
+    )
+    v.add_argument(
+        "--quantization",
+        choices=("none", "fp8"),
+        help="projection weights (default none: the model's dtype; fp8: float8, lossy)",
     )
     v.add_argument(
         "--no-prefix-caching",

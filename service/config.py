@@ -19,6 +19,8 @@ variables (all named CLONECAST_*).
 | CLONECAST_ATTENTION_BACKEND | auto (Triton on CUDA, else torch), or a FlashAttention backend |
 | CLONECAST_KV_CACHE_DTYPE | auto (the model's dtype) or fp8: a float8 KV cache, twice the |
 |  | blocks and half the attention reads, lossy (EngineConfig.kv_cache_dtype) |
+| CLONECAST_QUANTIZATION | none (default) or fp8: the decoder's projection weights in float8, |
+|  | about half the bytes a step reads, lossy (EngineConfig.quantization) |
 | CLONECAST_PREFIX_CACHING | 1 (default): prompts reuse the KV blocks of an earlier prompt's |
 |  | prefix (a voice used again); 0: every prompt computed in full (a worst-case measure) |
 | CLONECAST_PLAN | a JSON object of execution-plan overrides (engine/plan.py's fields), e.g. |
@@ -92,6 +94,7 @@ class ServiceSettings:
     cuda_graphs: bool = True
     attention_backend: str = "auto"  # the execution plan's (auto: Triton on CUDA, else torch)
     kv_cache_dtype: str = "auto"  # EngineConfig.kv_cache_dtype (fp8: float8 e4m3, lossy)
+    quantization: str = "none"  # EngineConfig.quantization (fp8 weights: opt-in, lossy)
     prefix_caching: bool = True  # EngineConfig.enable_prefix_caching
     plan: dict = field(default_factory=dict)  # ExecutionPlan overrides (checked by the engine)
     voice_store: Path | None = None  # SQLite file of registered voices; None: memory only
@@ -128,6 +131,7 @@ class ServiceSettings:
             cuda_graphs=env.get("CLONECAST_EAGER", "0") not in ("1", "true", "yes"),
             attention_backend=env.get("CLONECAST_ATTENTION_BACKEND", "auto"),
             kv_cache_dtype=env.get("CLONECAST_KV_CACHE_DTYPE", "auto"),
+            quantization=env.get("CLONECAST_QUANTIZATION", "none"),
             prefix_caching=env.get("CLONECAST_PREFIX_CACHING", "1") not in ("0", "false", "no"),
             plan=_plan(env.get("CLONECAST_PLAN")),
             voice_store=_voice_store(env),
@@ -160,6 +164,7 @@ VARIABLES = (
     "CLONECAST_EAGER",
     "CLONECAST_ATTENTION_BACKEND",
     "CLONECAST_KV_CACHE_DTYPE",
+    "CLONECAST_QUANTIZATION",
     "CLONECAST_PREFIX_CACHING",
     "CLONECAST_PLAN",
     "CLONECAST_VOICE_STORE",
