@@ -22,6 +22,8 @@
 #   NCU=1        Nsight Compute counters of the step's largest kernels (benchmarks/ncu_targets.py,
 #                NCU_ARGS its arguments); the full report in $OUT/ncu.txt
 #   STEP_ARGS    extra arguments of the decode-step table (STEP=0 skips it)
+#   QUANT_ERR=1  FP8 weights against bf16: errors against fp32 and greedy agreement
+#                (benchmarks/quantization_error.py, QUANT_ERR_ARGS its arguments)
 # Each part has its own time limit, so one slow part cannot eat the whole call.
 set -uo pipefail
 export PYTHONPATH=$PWD:$PWD/clients/python PYTHONUNBUFFERED=1
@@ -104,6 +106,9 @@ if [ "${HOST:-0}" = 1 ]; then
   for c in 64 128; do
     timeout 100 python3 benchmarks/host_cost.py --model $CKPT --concurrency $c --gc-tuned --steps 80 2>&1 | grep -v Warn | tail -17
   done
+fi
+if [ "${QUANT_ERR:-0}" = 1 ]; then
+  timeout ${QUANT_ERR_LIMIT:-200} python3 benchmarks/quantization_error.py --ckpt $CKPT ${QUANT_ERR_ARGS:-} 2>&1 | tee "$OUT/quantization_error.log" | tail -8
 fi
 if [ "${STEP:-1}" = 1 ]; then
   timeout 200 python3 benchmarks/eager_step.py --ckpt $CKPT --profile "$OUT/profile.txt" ${STEP_ARGS:-} 2>&1 | tee "$OUT/eager_step.log" | tail -14
