@@ -1,6 +1,6 @@
 """The Starlette application: starts the engine (in its own process by default, or in a
-worker thread) at start-up, warms it up before `/ready`, and serves the WebSocket protocol
-and the HTTP API."""
+worker thread) at start-up, warms it up before `/ready`, restarts it when it dies
+(service/engine_supervisor.py), and serves the WebSocket protocol and the HTTP API."""
 
 from __future__ import annotations
 
@@ -29,10 +29,12 @@ from engine import (
     default_device,
 )
 from service import VERSION
+from service.api_keys import KeyRing, read_key_file
 from service.auth import Caller
 from service.config import ServiceSettings
 from service.engine_client import EngineClient
 from service.engine_host import EngineSpec, settle_garbage_collector
+from service.engine_supervisor import EngineSupervisor, RestartPolicy
 from service.http_api import (
     api_page,
     health,
@@ -47,9 +49,13 @@ from service.http_api import (
     voice_delete,
     voice_get,
 )
+from service.key_limits import KeyLimits
+from service.logs import redact_secrets
 from service.metrics import Metrics
+from service.origin_check import OriginCheck
 from service.speech_api import speech
 from service.tokens import TokenIssuer
+from service.transport_guards import guarded_protocols
 from service.voice_db import VoiceDatabase
 from service.voices import Voice, VoiceStore, check_name, voice_id_for
 from service.web_files import WEB_DIR, WebMount
@@ -71,13 +77,27 @@ class Services:
         self.voices = VoiceStore(settings.limits.max_voices)  # with its database at start()
         secret = settings.token_secret.encode() if settings.token_secret else None
         self.tokens = TokenIssuer(secret)
+        self.keys = _key_ring(settings)  # names and SHA-256 digests only (service/api_keys.py)
+        limits = settings.limits
+        self.key_limits = KeyLimits(
+            limits.max_utterances_per_key,
+            limits.max_audio_s_per_minute_per_key,
+            on_refused=self.metrics.key_refused,
+        )
         self.engine = engine  # in-process engine only
         self.worker: EngineClient | None = None
-        self.is_ready = False
+        self.is_ready = False  # serving: loaded, the engine alive, not draining
+        self.loaded = False  # was ready once (voices and models answer from then on)
         self.progress = "starting"  # what loading is doing (/ready while not ready)
-        self.load_error: str | None = None  # why loading failed (the server then exits)
-        self.on_load_failed = None  # called once loading has failed (the CLI stops the server)
+        # why the server cannot serve: loading failed or the engine kept failing (it exits)
+        self.load_error: str | None = None
+        self.on_load_failed = None  # called once, with load_error set (the CLI stops the server)
         self.stopping = False
+        self.draining = False  # shutting down: running utterances finish, new ones are refused
+        self.supervisor = EngineSupervisor(self, RestartPolicy(settings.engine_restarts))
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.utterances: set = set()  # running, of every transport (a drain waits for them)
+        self.sessions: set = set()  # open WebSocket sessions
         self.connections = 0
         self.started = int(time.time())  # when this server started (GET /v1/models)
 
@@ -89,6 +109,12 @@ class Services:
                 path = str(self.settings.voice_store)
                 raise ConfigError(f"the voice store {path!r} cannot be opened: {exc}") from exc
             self.voices = VoiceStore(self.settings.limits.max_voices, db)
+        self.start_engine()
+
+    def start_engine(self) -> None:
+        """A new engine client, started (blocks while it loads), in place of the last one
+        (which is stopped: a dead engine's queues are released)."""
+        on_exit = self._engine_exited
         if self.engine is None and self.settings.engine_process:
             spec = EngineSpec(
                 self.settings.model,
@@ -99,7 +125,7 @@ class Services:
                 logging.getLogger("clonecast").getEffectiveLevel(),
                 self.settings.profile,
             )
-            self.worker = EngineClient.in_process(spec, on_steps=self.metrics.observe_steps)
+            worker = EngineClient.in_process(spec, self.metrics.observe_steps, on_exit)
         else:
             if self.engine is None:
                 self.engine = Engine.from_pretrained(
@@ -108,15 +134,56 @@ class Services:
                     codec=self.settings.codec,
                     cache_dir=self.settings.cache_dir,
                 )
-            self.worker = EngineClient.in_thread(self.engine, on_steps=self.metrics.observe_steps)
-        self.worker.start()
-        info = self.worker.info
-        if not info.has_codec:
-            self.worker.stop()
-            raise ConfigError(
-                "the service needs a codec: the checkpoint bundles none; set CLONECAST_CODEC"
-            )
-        self.metrics.set_build(VERSION, info, self.model_info()["name"])
+            worker = EngineClient.in_thread(self.engine, self.metrics.observe_steps, on_exit)
+        try:
+            worker.start()
+            if not worker.info.has_codec:
+                raise ConfigError(
+                    "the service needs a codec: the checkpoint bundles none; set CLONECAST_CODEC"
+                )
+        except BaseException:
+            worker.stop()
+            raise
+        old, self.worker = self.worker, worker
+        if old is not None:
+            old.stop()
+        self.metrics.set_build(VERSION, worker.info, self.model_info()["name"])
+
+    def _engine_exited(self, reason: str) -> None:
+        """The engine client's reader thread: its engine died (not stopped by us)."""
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self.supervisor.engine_exited, reason)
+
+    def give_up(self, reason: str) -> None:
+        """The server cannot serve any more: say why once and stop (the CLI exits 1)."""
+        self.load_error = reason
+        self.is_ready = False
+        log.error("clonecast cannot serve: %s", reason)
+        if self.on_load_failed is not None:
+            self.on_load_failed()
+
+    def refusal(self, engine: bool = True) -> tuple[str, str] | None:
+        """(code, message) when a request cannot be taken now, else None. `engine`: it needs
+        the engine now (an utterance, a voice to encode): refused also while the engine
+        restarts or the server drains; else only before the server was first ready."""
+        if not self.loaded:
+            if self.load_error is not None:
+                return "not_ready", f"the server could not start: {self.load_error}"
+            return "not_ready", f"the server is starting: {self.progress}"
+        if not engine:
+            return None
+        if self.draining:
+            return "draining", "the server is shutting down: connect again (to another server)"
+        if self.load_error is not None:
+            return "not_ready", f"the server cannot serve: {self.load_error}"
+        if not (self.is_ready and self.worker.alive):
+            if self.supervisor.policy.max_attempts == 0:
+                return (
+                    "not_ready",
+                    "the engine has stopped and restarts are off: restart the server",
+                )
+            return "not_ready", "the engine is restarting: retry shortly"
+        return None
 
     def _engine_config(self) -> EngineConfig:
         backend = self.settings.attention_backend
@@ -137,6 +204,7 @@ class Services:
     async def load(self) -> None:
         """Everything before /ready: the engine (in a worker thread), the preloaded voices,
         one warm-up request. A failure is kept in `load_error` and reported once."""
+        self.loop = asyncio.get_running_loop()
         try:
             self.progress = "loading the model and capturing graphs"
             await asyncio.get_running_loop().run_in_executor(None, self.start)
@@ -146,7 +214,7 @@ class Services:
             await self.preload_voices()
             self.progress = "warming up"
             await self.warm_up()
-            self.progress = "ready"
+            self.supervisor.engine_started()
             log.info("clonecast ready: %s", self.model_info()["name"])
         except asyncio.CancelledError:
             raise
@@ -180,7 +248,9 @@ class Services:
         # Python's 5 ms switch interval every socket operation could wait up to 5 ms behind
         # them (a convoy that delays requests and audio).
         sys.setswitchinterval(self.settings.gil_switch_ms / 1000)
-        self.is_ready = True
+        self.loaded = True
+        if not self.draining:
+            self.is_ready, self.progress = True, "ready"
 
     async def create_voice(
         self,
@@ -252,12 +322,23 @@ class Services:
             self.voices.db.close()
 
 
+def _key_ring(settings: ServiceSettings) -> KeyRing:
+    """The keys given in plaintext and those of the key file; a bad file stops the start in
+    one line naming it."""
+    try:
+        listed = read_key_file(settings.api_key_file) if settings.api_key_file else ()
+        return KeyRing.of(settings.api_keys, settings.admin_keys, listed)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+
+
 def _device(requested: str | None) -> str:
     return requested or default_device()
 
 
 def create_app(settings: ServiceSettings | None = None, engine: Engine | None = None) -> Starlette:
     settings = settings or ServiceSettings.from_env()
+    redact_secrets()  # no key or token in any log record of this process
     services = Services(settings, engine)
 
     @contextlib.asynccontextmanager
@@ -272,6 +353,7 @@ def create_app(settings: ServiceSettings | None = None, engine: Engine | None = 
             loading.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await loading
+            await services.supervisor.stop()
             services.stop()
 
     routes = [
@@ -293,6 +375,7 @@ def create_app(settings: ServiceSettings | None = None, engine: Engine | None = 
         routes.append(WebMount())
     middleware = []
     if settings.allowed_origins:
+        middleware.append(Middleware(OriginCheck, allowed_origins=settings.allowed_origins))
         middleware.append(
             Middleware(
                 CORSMiddleware,
@@ -315,8 +398,10 @@ def uvicorn_options(settings: ServiceSettings) -> dict:
     """How the server runs under uvicorn (the CLI, the benchmarks and the tests use this).
     WebSocket compression is off: PCM and mu-law barely compress, and deflating every audio
     frame cost the server's event loop about half a second per request at 256 streams
-    (docs/perf-log/)."""
+    (docs/perf-log/). The protocols are uvicorn's with the guards of
+    service/transport_guards.py (a deadline for request heads, a rate for ping frames)."""
     return {
+        **guarded_protocols(settings.limits),
         "host": settings.host,
         "port": settings.port,
         "ws_max_size": 2 * settings.limits.max_message_bytes,

@@ -175,10 +175,13 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from service.app import create_app, uvicorn_options
+    from service.drain import DrainingServer
+    from service.logs import log_config
 
     settings = _settings(
         args.config,
         api_keys=tuple(args.api_key) if args.api_key else None,
+        api_key_file=Path(args.api_key_file) if args.api_key_file else None,
         model=args.model,
         codec=args.codec,
         device=args.device,
@@ -200,15 +203,40 @@ def serve(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
-    config = uvicorn.Config(app, log_level=args.log_level, **uvicorn_options(settings))
-    server = uvicorn.Server(config)
+    config = uvicorn.Config(
+        app,
+        log_level=args.log_level,
+        log_config=log_config(args.log_level),  # clonecast's loggers too; secrets redacted
+        **uvicorn_options(settings),
+    )
     services = app.state.services
+    server = DrainingServer(config, services)  # SIGTERM / SIGINT: drain, then exit 0
     # the port is bound while the model loads; a failed load stops the server, one line
     services.on_load_failed = lambda: setattr(server, "should_exit", True)
     server.run()
     if services.load_error is not None:
         print(f"error: {services.load_error}", file=sys.stderr)
         return 1
+    return 0
+
+
+def key_new(args: argparse.Namespace) -> int:
+    """A line for the API key file on stdout (`>> FILE` appends it) and, on stderr, the fresh
+    key it stands for, shown this once: the server keeps only its hash. `--stdin`: the line
+    of an existing key (read from stdin), e.g. to move a CLONECAST_API_KEYS key into a file
+    (its voices stay its own)."""
+    from service.api_keys import key_file_line, new_key
+
+    key = sys.stdin.readline().strip() if args.stdin else new_key()
+    if not key:
+        raise ConfigError("--stdin: no key on standard input")
+    try:
+        line = key_file_line(args.name, key, args.admin)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    if not args.stdin:
+        print(f"the API key of {args.name} (shown once, keep it secret): {key}", file=sys.stderr)
+    print(line)
     return 0
 
 
@@ -268,6 +296,12 @@ def main(argv: list[str] | None = None) -> int:
         "no authentication)",
     )
     v.add_argument(
+        "--api-key-file",
+        metavar="FILE",
+        help="accept the keys of this file of 'NAME SHA256HEX [admin]' lines (default: "
+        "CLONECAST_API_KEY_FILE; `clonecast key new NAME` makes a line)",
+    )
+    v.add_argument(
         "--config",
         metavar="FILE",
         help="a TOML file of CLONECAST_* settings (the environment and these flags win)",
@@ -279,6 +313,21 @@ def main(argv: list[str] | None = None) -> int:
         help="server log level (default: info)",
     )
     v.set_defaults(func=serve)
+    k = sub.add_parser("key", help="API keys for --api-key-file")
+    key_sub = k.add_subparsers(dest="key_command", required=True)
+    n = key_sub.add_parser(
+        "new",
+        help="make a key: its file line on stdout (append it to the key file), the key itself "
+        "on stderr (shown once)",
+    )
+    n.add_argument(
+        "name", help="the key's name: what logs and metrics show (1-64 of A-Z a-z 0-9 _ . -)"
+    )
+    n.add_argument("--admin", action="store_true", help="the key sees and deletes every voice")
+    n.add_argument(
+        "--stdin", action="store_true", help="the line of an existing key read from stdin"
+    )
+    n.set_defaults(func=key_new)
     s = sub.add_parser("synthesize", help="speak a text into a WAV file, streaming")
     _add_common(s, max_rows=MAX_ROWS)
     s.add_argument("--reference", help="reference recording to clone (WAV/FLAC/OGG/MP3...)")

@@ -11,10 +11,20 @@ variables (all named CLONECAST_*).
 | CLONECAST_API_KEYS | comma-separated keys; unset: no authentication. Each key sees only |
 |  | its own voices (and the preloaded ones) |
 | CLONECAST_ADMIN_KEYS | comma-separated keys that may also see and delete every voice |
+| CLONECAST_API_KEY_FILE | a file of `NAME SHA256HEX [admin]` lines: keys by name and hash, |
+|  | no plaintext at rest (`clonecast key new NAME` makes a line); with the keys above |
+| CLONECAST_MAX_UTTERANCES_PER_KEY | utterances one key runs at once, over every connection |
+|  | and HTTP (0, the default: no per-key cap); over it: 429 / `rate_limited` |
+| CLONECAST_MAX_AUDIO_S_PER_MINUTE_PER_KEY | audio seconds one key may have made in the last |
+|  | 60 s before its next utterance is refused (0, the default: no cap) |
 | CLONECAST_TOKEN_SECRET | signs browser tokens (POST /v1/tokens); share it between servers |
 |  | behind one balancer; unset: random per start |
 | CLONECAST_ALLOWED_ORIGINS | comma-separated browser origins; unset: any |
 | CLONECAST_MAX_CONNECTIONS, CLONECAST_MAX_NUM_SEQS | capacity |
+| CLONECAST_MAX_MESSAGES_PER_S, CLONECAST_MESSAGE_BURST | per WebSocket connection: messages |
+|  | (and ping frames) a second sustained (50), and at once (100); over it: `rate_limited` |
+| CLONECAST_HEADER_TIMEOUT_S | an HTTP request's head must arrive within this (10 s) |
+| CLONECAST_BODY_TIMEOUT_S | and its body within this of the head (60 s); else 408 |
 | CLONECAST_EAGER | 1: no CUDA graphs (debugging, comparison) |
 | CLONECAST_ATTENTION_BACKEND | auto (Triton on CUDA, else torch), or a FlashAttention backend |
 | CLONECAST_KV_CACHE_DTYPE | auto (the model's dtype) or fp8: a float8 KV cache, twice the |
@@ -32,6 +42,10 @@ variables (all named CLONECAST_*).
 | CLONECAST_GIL_SWITCH_MS | thread switch interval once ready, ms (0.5; Python's own: 5) |
 | CLONECAST_LOG_FORMAT | plain (default) or json: the one line logged per ended utterance |
 | CLONECAST_ENGINE_PROCESS | 1 (default): the engine in its own process; 0: a server thread |
+| CLONECAST_ENGINE_RESTARTS | restarts of a dead engine in a row before the server gives up and |
+|  | exits 1 (5; 0: never restart); waits 1, 2, 4... s (at most 30) before each |
+| CLONECAST_DRAIN_TIMEOUT_S | on SIGTERM / SIGINT, how long running utterances may take to finish |
+|  | before they are cancelled and the server exits (30) |
 | CLONECAST_PROFILE | `SKIP,STEPS,FILE[,MODE[,MIN_RUNNING]]`: the engine process profiles |
 |  | STEPS steps after SKIP with MIN_RUNNING (1) requests running (MODE torch: operators, |
 |  | kernels; python: functions, threads) |
@@ -61,6 +75,16 @@ class Limits:
     max_buffered_audio_bytes: int = 4 * 1024 * 1024  # unsent audio per utterance
     max_voices: int = 1000
     max_segment_chars: int = 300
+    # per API key (service/key_limits.py; 0: off, the default: what is fair depends on the
+    # tenants and the GPU, and the server-wide limits already protect the server)
+    max_utterances_per_key: int = 0
+    max_audio_s_per_minute_per_key: float = 0.0
+    # per WebSocket connection, a token bucket: `max_messages_per_s` sustained, bursts of
+    # `message_burst` (messages and ping frames, each counted on its own)
+    max_messages_per_s: float = 50.0
+    message_burst: int = 100
+    header_timeout_s: float = 10.0  # an HTTP request's head, from its connection or last answer
+    body_timeout_s: float = 60.0  # its body, from the head (10 MB at 1.4 Mbit/s)
 
     def __post_init__(self) -> None:
         for name in (
@@ -71,11 +95,16 @@ class Limits:
             "max_connections",
             "max_buffered_audio_bytes",
             "max_voices",
+            "message_burst",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
-        if self.idle_timeout_s <= 0:
-            raise ValueError("idle_timeout_s must be > 0")
+        for name in ("idle_timeout_s", "max_messages_per_s", "header_timeout_s", "body_timeout_s"):
+            if not getattr(self, name) > 0:  # also NaN
+                raise ValueError(f"{name} must be > 0")
+        for name in ("max_utterances_per_key", "max_audio_s_per_minute_per_key"):
+            if not getattr(self, name) >= 0:  # also NaN
+                raise ValueError(f"{name} must be >= 0 (0: no per-key limit)")
 
 
 @dataclass(frozen=True)
@@ -88,6 +117,7 @@ class ServiceSettings:
     port: int = DEFAULT_PORT
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # secrets: never in a log
     admin_keys: tuple[str, ...] = field(default=(), repr=False)
+    api_key_file: Path | None = None  # NAME SHA256HEX [admin] lines (service/api_keys.py)
     token_secret: str | None = field(default=None, repr=False)
     allowed_origins: tuple[str, ...] = ()
     max_num_seqs: int = 64
@@ -105,6 +135,8 @@ class ServiceSettings:
     # loop then never holds the interpreter lock the engine's step needs (on the H200 a
     # second thread holding it 30% of the time made the batch-64 step 6% slower).
     engine_process: bool = True
+    engine_restarts: int = 5  # RestartPolicy.max_attempts (service/engine_supervisor.py)
+    drain_timeout_s: float = 30.0  # service/drain.py
     # (skip, steps, file, mode, min_running): the engine process profiles `steps` steps
     # after `skip` with at least `min_running` requests running
     # (mode torch: torch.profiler; python: cProfile and per-thread CPU time) and writes its
@@ -125,6 +157,9 @@ class ServiceSettings:
             port=int(env.get("CLONECAST_PORT", DEFAULT_PORT)),
             api_keys=_split(env.get("CLONECAST_API_KEYS")),
             admin_keys=_split(env.get("CLONECAST_ADMIN_KEYS")),
+            api_key_file=Path(env["CLONECAST_API_KEY_FILE"])
+            if env.get("CLONECAST_API_KEY_FILE")
+            else None,
             token_secret=env.get("CLONECAST_TOKEN_SECRET") or None,
             allowed_origins=_split(env.get("CLONECAST_ALLOWED_ORIGINS")),
             max_num_seqs=int(env.get("CLONECAST_MAX_NUM_SEQS", 64)),
@@ -141,8 +176,14 @@ class ServiceSettings:
             gil_switch_ms=_positive_ms(env.get("CLONECAST_GIL_SWITCH_MS", "0.5")),
             log_format=_log_format(env.get("CLONECAST_LOG_FORMAT", "plain")),
             engine_process=env.get("CLONECAST_ENGINE_PROCESS", "1") not in ("0", "false", "no"),
+            engine_restarts=_count(
+                "CLONECAST_ENGINE_RESTARTS", env.get("CLONECAST_ENGINE_RESTARTS", "5")
+            ),
+            drain_timeout_s=_seconds(
+                "CLONECAST_DRAIN_TIMEOUT_S", env.get("CLONECAST_DRAIN_TIMEOUT_S", "30")
+            ),
             profile=_profile(env.get("CLONECAST_PROFILE")),
-            limits=Limits(max_connections=int(env.get("CLONECAST_MAX_CONNECTIONS", 256))),
+            limits=_limits(env),
         )
         return replace(base, **{k: v for k, v in overrides.items() if v is not None})
 
@@ -157,10 +198,17 @@ VARIABLES = (
     "CLONECAST_PORT",
     "CLONECAST_API_KEYS",
     "CLONECAST_ADMIN_KEYS",
+    "CLONECAST_API_KEY_FILE",
+    "CLONECAST_MAX_UTTERANCES_PER_KEY",
+    "CLONECAST_MAX_AUDIO_S_PER_MINUTE_PER_KEY",
     "CLONECAST_TOKEN_SECRET",
     "CLONECAST_ALLOWED_ORIGINS",
     "CLONECAST_MAX_CONNECTIONS",
     "CLONECAST_MAX_NUM_SEQS",
+    "CLONECAST_MAX_MESSAGES_PER_S",
+    "CLONECAST_MESSAGE_BURST",
+    "CLONECAST_HEADER_TIMEOUT_S",
+    "CLONECAST_BODY_TIMEOUT_S",
     "CLONECAST_EAGER",
     "CLONECAST_ATTENTION_BACKEND",
     "CLONECAST_KV_CACHE_DTYPE",
@@ -172,6 +220,8 @@ VARIABLES = (
     "CLONECAST_GIL_SWITCH_MS",
     "CLONECAST_LOG_FORMAT",
     "CLONECAST_ENGINE_PROCESS",
+    "CLONECAST_ENGINE_RESTARTS",
+    "CLONECAST_DRAIN_TIMEOUT_S",
     "CLONECAST_PROFILE",
 )
 
@@ -201,8 +251,61 @@ def config_file(path: Path) -> dict[str, str]:
     return out
 
 
+def _limits(env) -> Limits:
+    default = Limits()
+    return Limits(
+        max_connections=int(env.get("CLONECAST_MAX_CONNECTIONS", default.max_connections)),
+        max_messages_per_s=float(
+            env.get("CLONECAST_MAX_MESSAGES_PER_S", default.max_messages_per_s)
+        ),
+        message_burst=int(env.get("CLONECAST_MESSAGE_BURST", default.message_burst)),
+        header_timeout_s=float(env.get("CLONECAST_HEADER_TIMEOUT_S", default.header_timeout_s)),
+        body_timeout_s=float(env.get("CLONECAST_BODY_TIMEOUT_S", default.body_timeout_s)),
+        max_utterances_per_key=_per_key(
+            "CLONECAST_MAX_UTTERANCES_PER_KEY", env.get("CLONECAST_MAX_UTTERANCES_PER_KEY"), int
+        ),
+        max_audio_s_per_minute_per_key=_per_key(
+            "CLONECAST_MAX_AUDIO_S_PER_MINUTE_PER_KEY",
+            env.get("CLONECAST_MAX_AUDIO_S_PER_MINUTE_PER_KEY"),
+            float,
+        ),
+    )
+
+
+def _per_key(name: str, value: str | None, kind: type):
+    """A per-key limit: a number >= 0 (0, unset: off)."""
+    value = value or "0"
+    try:
+        limit = kind(value)
+    except ValueError:
+        limit = -1
+    if not limit >= 0:
+        raise ValueError(f"{name} must be a number >= 0 (0: no per-key limit), got {value!r}")
+    return limit
+
+
 def _split(value: str | None) -> tuple[str, ...]:
     return tuple(v.strip() for v in (value or "").split(",") if v.strip())
+
+
+def _count(name: str, value: str) -> int:
+    try:
+        count = int(value)
+    except ValueError:
+        count = -1
+    if count < 0:
+        raise ValueError(f"{name} must be a whole number >= 0, got {value!r}")
+    return count
+
+
+def _seconds(name: str, value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds < float("inf"):
+        raise ValueError(f"{name} must be a number of seconds >= 0, got {value!r}")
+    return seconds
 
 
 def _positive_ms(value: str) -> float:

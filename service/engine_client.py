@@ -12,7 +12,8 @@ the engine alone (docs/perf-log/). The process is spawned (CUDA does not survive
 This is the one place that maps a request to its sink: requests cross under a wire id of
 their own, events are dispatched by it on a reader thread (sinks must only schedule work
 elsewhere). If the engine dies, every request in flight fails with an error naming its exit
-code, `alive` turns false (`/ready` answers 503) and new requests fail at once.
+code, `alive` turns false and new requests fail at once; `on_exit` then tells the service
+(service/engine_supervisor.py starts a new engine).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from service.engine_channel import (
     AbortRequest,
     Added,
     AddRequest,
+    CancelEncode,
     Encoded,
     EncodeVoice,
     EngineInfo,
@@ -136,11 +138,17 @@ class EngineClient:
     from a thread pool)."""
 
     def __init__(
-        self, transport, on_steps: Callable[[Observations, EngineStats], None] | None = None
+        self,
+        transport,
+        on_steps: Callable[[Observations, EngineStats], None] | None = None,
+        on_exit: Callable[[str], None] | None = None,
     ):
-        """`on_steps(observed, stats)`: called on the reader thread with each report of steps."""
+        """`on_steps(observed, stats)`: called on the reader thread with each report of steps;
+        `on_exit(reason)`: on the reader thread once a started engine has died (not after
+        `stop()`), when everything that waited on it has failed."""
         self._transport = transport
         self._on_steps = on_steps
+        self._on_exit = on_exit
         self._lock = threading.Lock()
         self._wire: dict[str, str] = {}  # request id -> its live wire id
         self._sinks: dict[str, Sink] = {}  # by wire id
@@ -156,12 +164,12 @@ class EngineClient:
         self._check = None
 
     @classmethod
-    def in_process(cls, spec: EngineSpec, on_steps=None) -> EngineClient:
-        return cls(_ProcessTransport(spec), on_steps)
+    def in_process(cls, spec: EngineSpec, on_steps=None, on_exit=None) -> EngineClient:
+        return cls(_ProcessTransport(spec), on_steps, on_exit)
 
     @classmethod
-    def in_thread(cls, engine: Engine, on_steps=None) -> EngineClient:
-        return cls(_ThreadTransport(engine), on_steps)
+    def in_thread(cls, engine: Engine, on_steps=None, on_exit=None) -> EngineClient:
+        return cls(_ThreadTransport(engine), on_steps, on_exit)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -278,7 +286,15 @@ class EngineClient:
                 return future
             self._encodes[token] = future
             self._transport.commands.put(EncodeVoice(token, data, transcript))
+        future.add_done_callback(lambda f: f.cancelled() and self._encode_cancelled(token))
         return future
+
+    def _encode_cancelled(self, token: int) -> None:
+        """Its asker gave up (asyncio.wrap_future cancels it when its task is cancelled):
+        a queued encode is dropped, not run for no one."""
+        with self._lock:
+            self._encodes.pop(token, None)
+        self._send(CancelEncode(token))
 
     def _send(self, command) -> None:
         """A command to the engine, unless it has stopped (then there is no one to tell)."""
@@ -368,6 +384,11 @@ class EngineClient:
         if not self._stopping:
             log.error("%s: failing the requests in flight", reason)
         self._fail_everything(reason)
+        if not self._stopping and self._on_exit is not None:
+            try:
+                self._on_exit(reason)
+            except Exception:  # the service's reaction must not hide the exit itself
+                log.exception("reporting the engine's exit failed")
 
     def _fail_everything(self, reason: str) -> None:
         with self._lock:

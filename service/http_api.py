@@ -4,8 +4,10 @@ Prometheus metrics and the API's description; the error shape `{"error": {"code"
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
+from urllib.parse import unquote_to_bytes
 
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
@@ -15,6 +17,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 
 from engine import ConfigError
 from service.auth import Caller, caller_for, extract_key
+from service.key_limits import RateLimited
 from service.openapi import document as openapi_document
 from service.openapi import page as openapi_page
 from service.protocol import ProtocolError, check_transcript, loads_json
@@ -22,10 +25,13 @@ from service.tokens import DEFAULT_TTL_S, MAX_TTL_S
 
 STATUS = {
     "unauthorized": 401,
+    "forbidden_origin": 403,
+    "rate_limited": 429,
     "unknown_voice": 404,
     "message_too_large": 413,
     "over_capacity": 503,
     "not_ready": 503,
+    "draining": 503,
     "name_conflict": 409,
     "voice_store_full": 507,
 }
@@ -43,6 +49,15 @@ def error(
     )
 
 
+def rate_limited(request: Request, exc: RateLimited) -> JSONResponse:
+    """429 `rate_limited` with when to retry: the `Retry-After` header (whole seconds) and
+    `retry_after_s` in the error, as the WebSocket's error message carries it."""
+    services_of(request).metrics.errors.labels("rate_limited", "http").inc()
+    wait = exc.retry_after_s
+    body = {"error": {"code": "rate_limited", "message": str(exc), "retry_after_s": wait}}
+    return JSONResponse(body, status_code=429, headers={"Retry-After": str(wait)})
+
+
 async def http_error(request: Request, exc: HTTPException) -> Response:
     """Routing errors (no such path, a method the path does not take) in the API's JSON
     error shape, like every other HTTP error."""
@@ -50,6 +65,10 @@ async def http_error(request: Request, exc: HTTPException) -> Response:
         return error(request, "not_found", f"no endpoint {request.url.path}", 404)
     if exc.status_code == 405:
         return error(request, "method_not_allowed", f"{request.method} is not allowed here", 405)
+    if exc.status_code == 408:  # the rest of its body may never come: the connection ends
+        response = error(request, "request_timeout", str(exc.detail), 408)
+        response.headers["connection"] = "close"
+        return response
     return error(request, "bad_request", str(exc.detail), exc.status_code)
 
 
@@ -59,48 +78,45 @@ def services_of(request: Request):
 
 def caller_of(request: Request) -> Caller | None:
     """Who is asking (service/auth.py), or None when the key is missing or wrong."""
-    settings = services_of(request).settings
     key = extract_key(request.headers, request.query_params, [])
-    return caller_for(key, settings.api_keys, settings.admin_keys)
+    return caller_for(key, services_of(request).keys)
 
 
 async def health(request: Request) -> Response:
-    """Liveness: 200 while the server can serve, or is still loading (`loading`); 503 once
-    loading has failed or its engine has exited (a restart is the only cure, so an
-    orchestrator's liveness probe should act)."""
+    """Liveness: 200 while the server can serve, is still loading (`loading`), drains
+    (`draining`) or restarts its engine (`restarting`: it heals itself); 503 once it cannot
+    serve (loading failed, or the engine kept failing: the server then exits) or its engine
+    has exited with restarts off (a restart is the only cure, so a liveness probe should
+    act)."""
     services = services_of(request)
     if services.load_error is not None:
         return JSONResponse({"status": "failed", "error": services.load_error}, status_code=503)
+    if services.draining:
+        return JSONResponse({"status": "draining"})
     worker = services.worker
-    if worker is not None and worker.alive is False and services.is_ready:
-        return JSONResponse({"status": "engine_exited"}, status_code=503)
+    if services.loaded and (services.supervisor.restarting or not worker.alive):
+        if services.supervisor.policy.max_attempts == 0:
+            return JSONResponse({"status": "engine_exited"}, status_code=503)
+        return JSONResponse({"status": "restarting", "progress": services.progress})
     return JSONResponse({"status": "ok" if services.is_ready else "loading"})
 
 
-def _not_ready_message(services) -> str:
-    if services.load_error is not None:
-        return f"the server could not start: {services.load_error}"
-    return f"the server is starting: {services.progress}"
-
-
-def not_ready(request: Request) -> Response | None:
-    """The answer of an endpoint that needs the engine while it is not ready, else None."""
-    services = services_of(request)
-    if services.is_ready:
-        return None
-    return error(request, "not_ready", _not_ready_message(services))
+def not_ready(request: Request, engine: bool = False) -> Response | None:
+    """The answer of an endpoint that cannot serve now (`not_ready` or `draining`), else
+    None. `engine`: the endpoint needs the engine now (speech, a voice to encode)."""
+    refusal = services_of(request).refusal(engine)
+    return None if refusal is None else error(request, *refusal)
 
 
 async def ready(request: Request) -> Response:
     """Readiness (not counted as an error: a probe asks it all along): 200 with the model and
-    the plan, or 503 with what loading is doing."""
+    the plan, or 503 with what the server is doing (loading, restarting its engine,
+    draining): a balancer sends it nothing new until it is ready again."""
     services = services_of(request)
-    if not services.is_ready:
-        body = {"code": "not_ready", "message": _not_ready_message(services)}
+    refusal = services.refusal(engine=True)
+    if refusal is not None:
+        body = {"code": refusal[0], "message": refusal[1]}
         return JSONResponse({"error": body, "progress": services.progress}, status_code=503)
-    if not services.worker.alive:
-        msg = "the engine stopped; the server needs a restart"
-        return error(request, "not_ready", msg, count=False)
     plan = services.worker.info.plan  # how the engine runs on its device
     return JSONResponse({"status": "ready", "model": services.model_info(), "plan": plan})
 
@@ -118,7 +134,7 @@ async def voice_create(request: Request) -> Response:
     caller = caller_of(request)
     if caller is None:
         return error(request, "unauthorized", "a valid API key is required")
-    if (answer := not_ready(request)) is not None:
+    if (answer := not_ready(request, engine=True)) is not None:
         return answer
     services = services_of(request)
     limit = services.settings.limits.max_upload_bytes
@@ -127,8 +143,10 @@ async def voice_create(request: Request) -> Response:
         return error(
             request, "message_too_large", f"reference uploads are limited to {limit} bytes"
         )
-    transcript = request.query_params.get("transcript")
-    name = request.query_params.get("name")
+    try:
+        transcript, name = query_text(request, "transcript"), query_text(request, "name")
+    except BadInput as exc:
+        return error(request, exc.code, str(exc))
     if request.headers.get("content-type", "").startswith("application/json"):
         try:
             payload = loads_json(body)
@@ -220,7 +238,7 @@ async def token_create(request: Request) -> Response:
     unknown = sorted(set(body) - {"ttl_s", "origin"})
     if unknown:
         return error(request, "bad_parameter", f"unknown field(s) {unknown}; known: ttl_s, origin")
-    token = services_of(request).tokens.mint(ttl, origin, caller.owner)
+    token = services_of(request).tokens.mint(ttl, origin, caller.owner, caller.name)
     return JSONResponse(
         {"token": token.token, "expires_at": token.expires_at, "ttl_s": ttl, "origin": origin},
         status_code=201,
@@ -290,19 +308,46 @@ async def list_models(request: Request) -> Response:
 
 async def read_body(request: Request, limit: int) -> bytes | None:
     """The request body, or None once it exceeds `limit` bytes (announced or chunked alike:
-    it is never read whole beyond the limit)."""
+    it is never read whole beyond the limit). A body not all there `body_timeout_s` after
+    its head is HTTPException 408 (`request_timeout`, and the connection is closed)."""
     try:
         if int(request.headers.get("content-length") or 0) > limit:
             return None
     except ValueError:
         pass  # the server has already rejected a malformed length
+    timeout_s = services_of(request).settings.limits.body_timeout_s
     parts, size = [], 0
-    async for part in request.stream():
-        size += len(part)
-        if size > limit:
-            return None
-        parts.append(part)
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for part in request.stream():
+                size += len(part)
+                if size > limit:
+                    return None
+                parts.append(part)
+    except TimeoutError:
+        raise HTTPException(
+            408, f"the request body did not arrive within {timeout_s:g} s of its headers"
+        ) from None
     return b"".join(parts)
+
+
+def query_text(request: Request, name: str) -> str | None:
+    """A query parameter as text (its last occurrence, as Starlette's query_params), or None
+    when absent. Bytes that are not UTF-8 are `bad_request` (BadInput): query_params would
+    replace them with U+FFFD, and a transcript would then silently say something else."""
+    found = None
+    for pair in request.scope.get("query_string", b"").split(b"&"):
+        key, _, value = pair.partition(b"=")
+        if unquote_to_bytes(key.replace(b"+", b" ")) == name.encode():
+            found = value
+    if found is None:
+        return None
+    try:
+        return unquote_to_bytes(found.replace(b"+", b" ")).decode("utf-8")
+    except UnicodeDecodeError:
+        raise BadInput(
+            "bad_request", f"?{name}= is not UTF-8 text: percent-encode its UTF-8 bytes"
+        ) from None
 
 
 class BadInput(ConfigError):

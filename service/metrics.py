@@ -3,8 +3,9 @@ process). Names follow the conventions of the LLM servers people already scrape,
 speech-specific ones added: time to first audio with a 0.32 s bucket edge, audio seconds,
 real-time factor, chunk lead and underruns, and the engine step time against the 40 ms frame
 budget. Base units, the unit in the name, counters end in `_total` (prometheus-client adds
-it); labels are bounded (transport, kind, phase, code, reason: never an id or a text).
-docs/observability.md lists every series."""
+it); labels are bounded (transport, kind, phase, code, reason, and key: an API key's name,
+bounded by the keys configured; never an id, a text or a key). docs/observability.md lists
+every series."""
 
 from __future__ import annotations
 
@@ -62,8 +63,9 @@ TRANSPORTS = ("websocket", "http")  # the `transport` label: how an utterance wa
 # before the end, or an error (errors_total says which).
 OUTCOMES = ("eos", "length", "cancelled", "disconnected", "error")
 # Why a WebSocket connection ended: the client closed it (a close frame with 1000 or 1001),
-# the client was lost (any other close, or sending to it failed), or it idled out.
-CLOSE_REASONS = ("client_closed", "client_lost", "idle_timeout")
+# the client was lost (any other close, or sending to it failed), it idled out, or it went on
+# sending over its message rate after being told (closed with 1008).
+CLOSE_REASONS = ("client_closed", "client_lost", "idle_timeout", "rate_limited")
 
 
 class _Total:
@@ -144,6 +146,17 @@ class Metrics:
         self.errors = Counter(
             p + "errors", "Errors sent to clients by code", ["code", "transport"], registry=r
         )
+        # by key name (the operator's, from the key file, or a plaintext key's owner label:
+        # bounded by the keys configured; never a key)
+        self.key_rate_limited = Counter(
+            p + "key_rate_limited",
+            "Utterances refused for a key over its limit: utterances (at once) or audio_seconds",
+            ["key", "limit"],
+            registry=r,
+        )
+        self.key_audio_seconds = Counter(
+            p + "key_audio_seconds", "Seconds of audio sent to each API key", ["key"], registry=r
+        )
         for transport in TRANSPORTS:  # every series exists from the start (at zero)
             for series in (self.first_audio, self.e2e, self.rtf, self.chunk_lead):
                 series.labels(transport)
@@ -157,7 +170,8 @@ class Metrics:
         )
         self.closes = Counter(
             p + "websocket_closes",
-            "Ended WebSocket connections by reason: client_closed, client_lost, idle_timeout",
+            "Ended WebSocket connections by reason: client_closed, client_lost, idle_timeout, "
+            "rate_limited",
             ["reason"],
             registry=r,
         )
@@ -166,6 +180,11 @@ class Metrics:
         # -- the engine ---------------------------------------------------------------------
         self.engine_up = Gauge(
             p + "engine_up", "1 while the engine (its process or thread) runs, else 0", registry=r
+        )
+        self.engine_restarts = Counter(
+            p + "engine_restarts",
+            "Engines started again after the engine died (service/engine_supervisor.py)",
+            registry=r,
         )
         self.running = Gauge(p + "num_requests_running", "Engine requests running", registry=r)
         self.waiting = Gauge(p + "num_requests_waiting", "Engine requests waiting", registry=r)
@@ -273,6 +292,9 @@ class Metrics:
             self.capture_seconds.labels(family)
             for kind in ("allocated", "reserved"):
                 self.capture_memory.labels(family, kind)
+
+    def key_refused(self, name: str, limit: str) -> None:
+        self.key_rate_limited.labels(name, limit).inc()
 
     def set_build(self, version: str, info, model_name: str) -> None:
         """The info metric, once the engine has started (`info`: its EngineInfo)."""

@@ -18,11 +18,12 @@ from starlette.websockets import WebSocket
 from clonecast_client.wire import pack_audio
 from engine import FRAME_MS, ConfigError
 from service.auth import OPEN, Caller
+from service.key_limits import RateLimited
 from service.protocol import (
     ProtocolError,
+    as_object,
     check_transcript,
     decode_b64,
-    loads_json,
     parse_id,
     parse_inline_voice,
     parse_message,
@@ -36,7 +37,7 @@ from service.utterance import SegmentStart, State, Utterance
 from service.utterance_report import UtteranceReport
 
 log = logging.getLogger("clonecast.session")
-MAX_CANCELLED_IDS = 256  # per connection: remembered to refuse late appends after a cancel
+MAX_ENDED_IDS = 256  # per connection: remembered to refuse late appends after an end
 
 
 class Session:
@@ -48,10 +49,11 @@ class Session:
         self.id = "s_" + uuid.uuid4().hex[:12]
         self.utterances: dict[str, Utterance] = {}
         self.buffers: dict[str, SegmentBuffer] = {}
-        # ids cancelled on this connection (the latest MAX_CANCELLED_IDS): a late `append` to
-        # one is refused rather than opening a new utterance that would speak the tail of
-        # text the client barged in on; a `speak` may reuse the id
-        self.cancelled_ids: dict[str, None] = {}
+        # ids of utterances that ended on this connection (the latest MAX_ENDED_IDS) and how
+        # (done, cancelled, failed): a late `append` to one is refused rather than opening a
+        # new utterance that would speak the tail of text the client barged in on, or text
+        # after the end; a `speak` may reuse the id
+        self.ended_ids: dict[str, str] = {}
         self.outbox: asyncio.Queue = asyncio.Queue()
         self.loop = asyncio.get_running_loop()
         self.pending_upload: dict | None = None
@@ -135,9 +137,9 @@ class Session:
             await getattr(self, "_on_" + message["type"].replace(".", "_"))(message)
         except ProtocolError as exc:
             # the message that caused it, even when refused before it was read (unknown_type)
-            message = message or _as_object(text)
+            message = message or as_object(text)
             extra = {"request_id": message["request_id"]} if "request_id" in message else {}
-            self.send_error(exc.code, str(exc), exc.uid, **extra)
+            self.send_error(exc.code, str(exc), exc.uid, **extra, **exc.extra)
         except Exception:  # a bug: report it, keep the connection and its other utterances
             log.exception("handling %s failed", message.get("type"))
             self.send_error("internal", "the server failed to handle this message")
@@ -204,7 +206,7 @@ class Session:
     async def _on_speak(self, message: dict) -> None:
         text = parse_text(message, self.limits.max_text_chars)
         utt = await self._open(message, flushed=True)
-        self.cancelled_ids.pop(utt.id, None)  # a new utterance under a cancelled id
+        self.ended_ids.pop(utt.id, None)  # a new utterance under an ended one's id
         utt.text_chars = len(text)
         self._add_checked(utt, split_text(text, self.limits.max_segment_chars))
         self.send_json({"type": "started", "id": utt.id, "segments": len(utt.segments)})
@@ -216,9 +218,10 @@ class Session:
         if not isinstance(text, str):
             raise ProtocolError("bad_request", "append needs 'text' (a string)", uid)
         utt = self.utterances.get(uid) if isinstance(uid, str) else None
-        if utt is None and uid in self.cancelled_ids:
+        if utt is None and uid in self.ended_ids:
             raise ProtocolError(
-                "unknown_id", f"utterance {uid!r} was cancelled: open a new one (another id)"
+                "unknown_id",
+                f"utterance {uid!r} has ended ({self.ended_ids[uid]}): open a new one (another id)",
             )
         if utt is None:
             utt = await self._open(message, flushed=False)
@@ -272,10 +275,6 @@ class Session:
                 uid if isinstance(uid, str) else None,
             )
         self._end(utt, State.CANCELLED)
-        self.cancelled_ids.pop(uid, None)
-        self.cancelled_ids[uid] = None
-        if len(self.cancelled_ids) > MAX_CANCELLED_IDS:
-            del self.cancelled_ids[next(iter(self.cancelled_ids))]
         self.send_json({"type": "cancelled", "id": uid})
 
     # -- utterances --------------------------------------------------------------------------
@@ -306,6 +305,8 @@ class Session:
                 f"at most {self.limits.max_utterances} utterances may run at once",
                 uid,
             )
+        if (refusal := self.services.refusal()) is not None:  # draining, engine restarting
+            raise ProtocolError(*refusal, uid)
         if self.services.worker.num_waiting >= self.limits.max_waiting_requests:
             raise ProtocolError("over_capacity", "the server is at capacity: retry shortly", uid)
         params, fmt = parse_params(
@@ -318,11 +319,20 @@ class Session:
             if found is None:
                 raise ProtocolError("unknown_voice", f"no voice {voice_id!r}: create it first", uid)
             voice = found.reference
+        try:  # last: nothing below refuses, and every end releases it (_forget)
+            lease = self.services.key_limits.admit(self.caller.name)
+        except RateLimited as exc:
+            raise ProtocolError(
+                "rate_limited", str(exc), uid, retry_after_s=exc.retry_after_s
+            ) from exc
         worker, loop = self.services.worker, self.loop
-        utt = Utterance(uid, voice, params, fmt, flushed, worker, loop, self, f"{self.id}/{uid}")
+        tag, registry = f"{self.id}/{uid}", self.services.utterances
+        utt = Utterance(uid, voice, params, fmt, flushed, worker, loop, self, tag, registry)
         utt.voice_id = voice_id
         log_format = self.services.settings.log_format
-        utt.report = UtteranceReport(self.services.metrics, "websocket", utt.tag, log_format)
+        utt.report = UtteranceReport(
+            self.services.metrics, "websocket", utt.tag, log_format, self.caller.name, lease
+        )
         self.utterances[uid] = utt
         return utt
 
@@ -415,8 +425,15 @@ class Session:
         self._forget(utt)
 
     def _forget(self, utt: Utterance) -> None:
-        self.utterances.pop(utt.id, None)
+        if self.utterances.get(utt.id) is not utt:
+            return  # already forgotten (a failure reported after its end)
+        del self.utterances[utt.id]
+        utt.report.lease.release()  # no longer generating: its key may run another
         self.buffers.pop(utt.id, None)
+        self.ended_ids.pop(utt.id, None)  # the latest end goes last
+        self.ended_ids[utt.id] = utt.state.value
+        if len(self.ended_ids) > MAX_ENDED_IDS:
+            del self.ended_ids[next(iter(self.ended_ids))]
 
     def close(self) -> None:
         """The client is gone: abort everything it started."""
@@ -424,12 +441,3 @@ class Session:
             task.cancel()
         for utt in list(self.utterances.values()):
             self._end(utt, State.CANCELLED, outcome="disconnected")
-
-
-def _as_object(text: str) -> dict:
-    """The message as a JSON object, or {} when it is none (for the error's ids only)."""
-    try:
-        value = loads_json(text)
-    except ProtocolError:
-        return {}
-    return value if isinstance(value, dict) else {}

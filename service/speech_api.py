@@ -8,6 +8,7 @@ import asyncio
 import base64
 import json
 import uuid
+import weakref
 
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -16,7 +17,16 @@ from engine import ConfigError
 from service.audio_containers import CONTAINERS, ContainerEncoder, check_rate
 from service.audio_format import wav_header
 from service.auth import Caller
-from service.http_api import BadInput, caller_of, error, not_ready, read_body, services_of
+from service.http_api import (
+    BadInput,
+    caller_of,
+    error,
+    not_ready,
+    rate_limited,
+    read_body,
+    services_of,
+)
+from service.key_limits import RateLimited
 from service.protocol import ProtocolError, loads_json, parse_params
 from service.text_segments import split_text
 from service.utterance import State, Utterance
@@ -67,7 +77,7 @@ async def speech(request: Request) -> Response:
     caller = caller_of(request)
     if caller is None:
         return error(request, "unauthorized", "a valid API key is required")
-    if (answer := not_ready(request)) is not None:
+    if (answer := not_ready(request, engine=True)) is not None:
         return answer
     services = services_of(request)
     raw = await read_body(request, services.settings.limits.max_message_bytes)
@@ -86,10 +96,18 @@ async def speech(request: Request) -> Response:
         return error(request, getattr(exc, "code", "bad_parameter"), str(exc))
     if services.worker.num_waiting >= services.settings.limits.max_waiting_requests:
         return error(request, "over_capacity", "the server is at capacity: retry shortly")
+    try:
+        job["lease"] = services.key_limits.admit(caller.name)
+    except RateLimited as exc:
+        return rate_limited(request, exc)
+    job["key"] = caller.name
     fmt, container = job["format"], job["container"]
     media = MEDIA_TYPES[job["response_format"]]
     encoder = ContainerEncoder(container, fmt.sample_rate) if container else None
     chunks = _generate(services, job, encoder)
+    # released when the utterance ends, or with a response that never started (its client
+    # left before the body began: the generator's own clean-up never runs)
+    weakref.finalize(chunks, job["lease"].release)
     if job["stream"] == "sse":
         return StreamingResponse(_sse(chunks), media_type="text/event-stream")
     if job["stream"] == "audio":
@@ -104,7 +122,8 @@ async def speech(request: Request) -> Response:
     try:
         audio = collecting.result()
     except BadInput as exc:
-        return error(request, exc.code, f"generation failed: {exc}", 500, count=False)
+        status = 503 if exc.code == "draining" else 500  # the server shut down first
+        return error(request, exc.code, f"generation failed: {exc}", status, count=False)
     if encoder is not None:  # the complete file, with what its encoder filled in at the end
         audio = encoder.whole()
     elif fmt.format == "wav":  # a proper header with sizes for a complete file
@@ -265,11 +284,11 @@ async def _generate(services, job: dict, container: ContainerEncoder | None = No
     loop = asyncio.get_running_loop()
     utt = Utterance(
         uid, job["reference"], job["params"], job["format"], True, services.worker, loop,
-        collector, uid,
+        collector, uid, services.utterances,
     )  # fmt: skip
     utt.voice_id = job["voice_id"]
     utt.report = report = UtteranceReport(
-        services.metrics, "http", uid, services.settings.log_format
+        services.metrics, "http", uid, services.settings.log_format, job["key"], job["lease"]
     )
     try:
         try:
@@ -295,4 +314,5 @@ async def _generate(services, job: dict, container: ContainerEncoder | None = No
     finally:
         if utt.state is State.RUNNING:
             utt.end(State.CANCELLED)
+        job["lease"].release()
         report.stopped(utt, "disconnected")  # the client left (nothing if reported already)

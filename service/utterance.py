@@ -114,9 +114,11 @@ class Utterance:
         loop,
         listener: Listener,
         tag: str,
+        registry: set | None = None,
     ):
         """`engine`: the service's engine client (submit, abort, check_text); `loop`: the
-        event loop engine events are moved to; `tag`: the start of its engine request ids."""
+        event loop engine events are moved to; `tag`: the start of its engine request ids;
+        `registry`: the server's running utterances (it is in there while running)."""
         self.id = uid
         self.voice = voice
         self.params = params
@@ -137,6 +139,8 @@ class Utterance:
         self._prefix = f"{tag}/{uuid.uuid4().hex[:8]}"  # engine request ids of its segments
         self.voice_id: str | None = None  # the server's id of its voice, for reports
         self.report = None  # its transport's UtteranceReport
+        self._registry = registry if registry is not None else set()
+        self._registry.add(self)
 
     # -- text --------------------------------------------------------------------------------
 
@@ -172,12 +176,14 @@ class Utterance:
         if self.complete:
             tail = self.encoder.finish()
             self.state = State.DONE
+            self._registry.discard(self)
             self._listener.on_done(self, tail)
 
     def end(self, state: State) -> None:
         """Cancels or fails the utterance: aborts its engine requests; nothing more goes to
         the listener."""
         self.state = state
+        self._registry.discard(self)
         for request_id in self.active_request_ids():
             self._engine.abort(request_id)
 
@@ -264,6 +270,17 @@ class Utterance:
         """All text arrived, every segment finished and its audio handed out."""
         return (
             self.flushed and self.emit_index == len(self.segments) and self.state is State.RUNNING
+        )
+
+    @property
+    def waiting_for_text(self) -> bool:
+        """Open for more text with nothing left to make or send: only its client moves it on
+        (so it does not keep an idle connection open)."""
+        return (
+            not self.flushed
+            and self.ready
+            and self.emit_index == len(self.segments)
+            and self.buffered_bytes == 0
         )
 
     @property

@@ -1,5 +1,6 @@
 """The WebSocket endpoint `/v1/stream`: authentication, origin and capacity checks, the
-receive loop with its idle timeout, and clean-up when the client goes away."""
+receive loop with its idle timeout and message rate limit, and clean-up when the client goes
+away."""
 
 from __future__ import annotations
 
@@ -14,15 +15,19 @@ from clonecast_client.wire import (
     CLOSE_CAPACITY,
     CLOSE_FORBIDDEN,
     CLOSE_IDLE,
+    CLOSE_SERVICE_RESTART,
     CLOSE_UNAUTHORIZED,
     PROTOCOL,
 )
 from engine import FRAME_MS, SAMPLE_RATE, AudioLimits, StreamConfig
 from service.auth import OPEN, Caller, caller_for, extract_key, origin_allowed
+from service.message_rate import TokenBucket
+from service.protocol import as_object
 from service.session import Session
 from service.tokens import TokenError
 
 log = logging.getLogger("clonecast.ws")
+CLOSE_POLICY = 1008  # the standard "policy violation": a client that kept flooding
 STREAM = StreamConfig()  # the service's chunk sizes: the engine's defaults
 
 
@@ -46,10 +51,12 @@ async def stream_endpoint(ws: WebSocket) -> None:
         return await _refuse(
             ws, "forbidden_origin", "this origin is not allowed", CLOSE_FORBIDDEN, services
         )
-    if not services.is_ready:
-        return await _refuse(
-            ws, "not_ready", "the server is starting: retry shortly", CLOSE_CAPACITY, services
-        )
+    # still loading, or draining (1012, service restart: reconnect, to another server); a
+    # connection made while the engine restarts is kept (its utterances wait for /ready)
+    refusal = services.refusal(engine=services.draining)
+    if refusal is not None:
+        close_code = CLOSE_SERVICE_RESTART if refusal[0] == "draining" else CLOSE_CAPACITY
+        return await _refuse(ws, *refusal, close_code, services)
     if services.connections >= settings.limits.max_connections:
         return await _refuse(
             ws,
@@ -61,6 +68,7 @@ async def stream_endpoint(ws: WebSocket) -> None:
     services.connections += 1
     services.metrics.connections.set(services.connections)
     session = Session(ws, services, caller)
+    services.sessions.add(session)
     sender = asyncio.create_task(session.sender())
     reason = "client_lost"
     try:
@@ -75,6 +83,7 @@ async def stream_endpoint(ws: WebSocket) -> None:
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await sender
         services.connections -= 1
+        services.sessions.discard(session)
         services.metrics.connections.set(services.connections)
 
 
@@ -86,7 +95,10 @@ def _close_reason(code: int | None) -> str:
 
 async def _receive_loop(ws: WebSocket, session: Session, sender: asyncio.Task) -> str:
     """Serves the connection until it ends; returns why (a CLOSE_REASONS of the metrics)."""
-    idle = session.limits.idle_timeout_s
+    limits = session.limits
+    idle = limits.idle_timeout_s
+    rate = TokenBucket(limits.max_messages_per_s, limits.message_burst)
+    refused = 0  # messages refused since the last one served
     receive = None
     while True:
         receive = receive or asyncio.ensure_future(ws.receive())  # kept across idle checks
@@ -97,7 +109,7 @@ async def _receive_loop(ws: WebSocket, session: Session, sender: asyncio.Task) -
             receive.cancel()
             return "client_lost"
         if not done:
-            if session.utterances:
+            if any(not u.waiting_for_text for u in session.utterances.values()):
                 continue  # audio is still being produced: not idle
             receive.cancel()
             await ws.close(CLOSE_IDLE, f"idle for {idle:g} s")
@@ -105,26 +117,54 @@ async def _receive_loop(ws: WebSocket, session: Session, sender: asyncio.Task) -
         message, receive = receive.result(), None
         if message["type"] == "websocket.disconnect":
             return _close_reason(message.get("code"))
+        wait = rate.take()
+        if wait:
+            refused += 1
+            if refused > limits.message_burst:  # it went on at full speed after being told
+                await ws.close(CLOSE_POLICY, "rate_limited: too many messages")
+                return "rate_limited"
+            _refuse_message(session, message, wait)
+            continue
+        refused = 0
         if message.get("text") is not None:
             await session.on_text(message["text"])
         elif message.get("bytes") is not None:
             await session.on_bytes(message["bytes"])
 
 
+def _refuse_message(session: Session, message: dict, wait: float) -> None:
+    """A message over the connection's rate, refused unhandled: `rate_limited` with when to
+    retry, and its request_id (never its `id`: an utterance it names goes on)."""
+    limits = session.limits
+    extra = {}
+    text = message.get("text")
+    if text is not None and len(text) <= 4096:  # a small message's request_id costs little
+        value = as_object(text).get("request_id")
+        if isinstance(value, str | int):
+            extra["request_id"] = value
+    session.send_error(
+        "rate_limited",
+        f"more than {limits.max_messages_per_s:g} messages a second (bursts of "
+        f"{limits.message_burst}) on this connection: this one was not handled; send it again "
+        "after retry_after_s",
+        retry_after_s=round(wait, 3),
+        **extra,
+    )
+
+
 def _authenticate(ws: WebSocket, offered: list[str], services) -> Caller | str:
     """Who connects (a Caller), or why the connection is refused: an API key, or a browser
     token that is unexpired, signed by this server's secret and (if bound) from its origin
     (its caller: the key that asked for it)."""
-    settings = services.settings
     token = ws.query_params.get("token")
     if token is not None:
         try:
-            owner = services.tokens.verify(token, ws.headers.get("origin"))
+            owner, name = services.tokens.verify(token, ws.headers.get("origin"))
         except TokenError as exc:
             return str(exc)
-        return Caller(owner) if owner is not None else OPEN
+        return Caller(owner, name=name) if owner is not None else OPEN
     key = extract_key(ws.headers, ws.query_params, offered)
-    caller = caller_for(key, settings.api_keys, settings.admin_keys)
+    caller = caller_for(key, services.keys)
     return caller if caller is not None else "a valid API key is required"
 
 

@@ -136,7 +136,9 @@ def test_a_request_id_reused_after_an_abort_gets_only_its_own_events(server):
 
 
 def test_a_dead_engine_process_fails_requests_and_readiness(make_server):
-    server = make_server()
+    """With restarts off (CLONECAST_ENGINE_RESTARTS=0; test_engine_supervision.py has them
+    on) a dead engine stays dead: the server says so until it is restarted."""
+    server = make_server(extra={"engine_restarts": 0})
     worker = server.services.worker
     assert httpx.get(server.http + "/ready", timeout=10).status_code == 200
     assert scrape(server)["clonecast_engine_up"] == 1
@@ -339,10 +341,14 @@ def test_a_checkpoint_without_a_codec_is_refused_and_its_engine_stopped(tiny_ckp
     from service.app import Services
     from service.config import ServiceSettings
 
+    import multiprocessing
+
+    before = {p.pid for p in multiprocessing.active_children()}  # other tests' servers
     services = Services(ServiceSettings(model=str(tiny_ckpt), device="cpu"))
     with pytest.raises(ConfigError, match="needs a codec"):
         services.start()
-    assert isinstance(services.worker, EngineClient) and not services.worker.alive
+    assert services.worker is None  # the refused engine never served
+    assert {p.pid for p in multiprocessing.active_children()} <= before
 
 
 def _thread_client(model_cache, patch=None):
