@@ -158,18 +158,19 @@ class SkinnyGemmOps(TritonOps):
             return TritonOps.gated_linear(layer, gate_up)
         return self._gemm(layer, gate_up, gated=True)
 
-    def skinny_fp8(self, layer, x: torch.Tensor, gated: bool) -> torch.Tensor:
-        """An fp8 projection (engine/quantization.py's Fp8Linear) of few rows: the float8
-        weight streamed and widened in the GEMM, x unquantized."""
-        return self._gemm(layer, x, gated, weight_scale=layer.weight_scale)
+    def skinny_fp8(self, layer, rows, out_dtype: torch.dtype) -> torch.Tensor:
+        """An fp8 projection (engine/quantization.py's Fp8Linear) of few quantized rows:
+        half the weight bytes streamed, both scales applied to the fp32 sums."""
+        scales = dict(weight_scale=layer.weight_scale, x_scale=rows.scale, out_dtype=out_dtype)
+        return self._gemm(layer, rows.data, False, **scales)
 
-    def _gemm(self, layer, x: torch.Tensor, gated: bool, **scale) -> torch.Tensor:
+    def _gemm(self, layer, x: torch.Tensor, gated: bool, **fp8) -> torch.Tensor:
         from kernels.skinny_gemm import skinny_gemm, skinny_tiles
 
         n, k = layer.weight.shape
         tiles = skinny_tiles(x.shape[0], n, k, self.loads.get("tma", False))
         w = layer.weight
-        return skinny_gemm(x, w, self.counters, gated=gated, **scale, **self.loads, **tiles)
+        return skinny_gemm(x, w, self.counters, gated=gated, **fp8, **self.loads, **tiles)
 
 
 def _pdl_scope(enabled: bool):
@@ -198,8 +199,8 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim**-0.5
 
     def forward(self, x, positions, kv_cache, rope: RotaryEmbedding, ops):
-        t = x.shape[0]
-        qkv = ops.linear(self.qkv_proj, x)
+        qkv = ops.linear(self.qkv_proj, x)  # x: [T, H], or quantized rows (fp8 weights)
+        t = qkv.shape[0]
         meta = current_metadata()
         if ops.qk_norm_rope_store is not None and self.backend.fuses_decode(meta, kv_cache):
             # one kernel: norms, RoPE, the K/V store and attention

@@ -83,10 +83,10 @@ def scaled_matmul(rows: QuantizedRows, layer: Fp8Linear, out_dtype: torch.dtype)
 
 class Fp8Ops:
     """The model's ops (`base`: TorchOps, TritonOps or SkinnyGemmOps) with every projection in
-    fp8. Steps of up to `base.max_rows` tokens (the few-row GEMM) read the fp8 weight in our
-    GEMM with unquantized inputs; larger steps quantize the input (in the norm or SiLU kernel
-    that makes it, with fused ops) and take the scaled fp8 matmul. Everything else is the
-    base's."""
+    fp8. Each projection's input is quantized where it is made (with fused ops: in the add +
+    RMSNorm kernel, or one SiLU-mul + quantize launch, else one quantize launch), then steps
+    of up to `base.max_rows` tokens multiply in our few-row GEMM and larger ones through the
+    scaled fp8 matmul: the same arithmetic either way. Everything else is the base's."""
 
     def __init__(self, base, fused: bool, dtype: torch.dtype):
         self.base = base
@@ -99,9 +99,6 @@ class Fp8Ops:
             raise AttributeError(name)
         return getattr(self.base, name)
 
-    def _skinny(self, rows: int) -> bool:
-        return rows <= self.max_rows
-
     def _quantize(self, x: torch.Tensor, gated: bool = False) -> QuantizedRows:
         if self.fused:
             from kernels.fp8_quant import quantize_rows as quantize_kernel
@@ -109,10 +106,14 @@ class Fp8Ops:
             return QuantizedRows(*quantize_kernel(x, gated))
         return quantize_rows(self.base.silu_mul(x) if gated else x)
 
+    def _matmul(self, rows: QuantizedRows, layer: Fp8Linear) -> torch.Tensor:
+        if rows.data.shape[0] <= self.max_rows:
+            return self.base.skinny_fp8(layer, rows, self.dtype)
+        return scaled_matmul(rows, layer, self.dtype)
+
     def projection_norm(self, x, residual, weight, eps):
-        """add + RMSNorm of a projection's input: quantized by the norm kernel itself where
-        the fp8 matmul will read it."""
-        if not self.fused or self._skinny(x.shape[0]):
+        """add + RMSNorm of a projection's input, quantized by the norm kernel itself."""
+        if not self.fused:
             return self.base.add_rms_norm(x, residual, weight, eps)
         from kernels.norm_rope import add_rms_norm_fp8
 
@@ -120,17 +121,11 @@ class Fp8Ops:
         return QuantizedRows(data, scale), total
 
     def linear(self, layer: Fp8Linear, x) -> torch.Tensor:
-        if isinstance(x, QuantizedRows):
-            return scaled_matmul(x, layer, self.dtype)
-        if self._skinny(x.shape[0]):
-            return self.base.skinny_fp8(layer, x, gated=False)
-        return scaled_matmul(self._quantize(x), layer, self.dtype)
+        return self._matmul(x if isinstance(x, QuantizedRows) else self._quantize(x), layer)
 
     def gated_linear(self, layer: Fp8Linear, gate_up: torch.Tensor) -> torch.Tensor:
         """The MLP's down projection of silu(gate) * up: SiLU and quantization in one kernel."""
-        if self._skinny(gate_up.shape[0]):
-            return self.base.skinny_fp8(layer, gate_up, gated=True)
-        return scaled_matmul(self._quantize(gate_up, gated=True), layer, self.dtype)
+        return self._matmul(self._quantize(gate_up, gated=True), layer)
 
 
 PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")

@@ -49,18 +49,19 @@ def _x_tile(x_cols, k, m_ok, hi, K, GATED: tl.constexpr, MASK_K: tl.constexpr):
 
 @triton.jit
 def _skinny_gemm_kernel(
-    x_ptr, up_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, count_ptr, M, N, K, stride_xm,
+    x_ptr, up_ptr, w_ptr, ws_ptr, xs_ptr, out_ptr, part_ptr, count_ptr, M, N, K, stride_xm,
     stride_wn, stride_om, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     SPLIT: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, GATED: tl.constexpr,
-    TMA: tl.constexpr, W_FP8: tl.constexpr, PDL: tl.constexpr,
+    TMA: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     # Grid (N / BN, SPLIT). The tile is transposed (acc[n, m] = W[n, :] . x[m, :]) so that the
     # weight's rows are the tensor-core tile's tall side and the few x rows its narrow one.
     # With TMA, x_ptr / up_ptr / w_ptr are tensor descriptors (x and up `[M, K]`, blocks
     # `[BM, BK]`; w `[N, K]`, blocks `[BN, BK]`): the copy engine fetches whole tiles, rows
-    # and columns past the ends read as zeros. W_FP8: w is float8 with one fp32 scale per
-    # output row at ws_ptr; each tile is widened to x's dtype before the dot and the scales
-    # applied to the fp32 sums (they are constant along K).
+    # and columns past the ends read as zeros. FP8: w and x are float8 with fp32 scales per
+    # weight row (ws_ptr) and per x row (xs_ptr); tiles are widened to the output dtype
+    # (exactly: e4m3 values are bf16 values) and both scales applied to the fp32 sums, the
+    # arithmetic of torch._scaled_mm with row-wise scales.
     tile, split = tl.program_id(0), tl.program_id(1)
     n = tile * BN + tl.arange(0, BN)
     m = tl.arange(0, BM)
@@ -79,7 +80,9 @@ def _skinny_gemm_kernel(
             x = x_ptr.load([0, k0])
             if GATED:  # x holds [gate | up]
                 x = _silu_mul(x, up_ptr.load([0, k0]))
-            acc = _dot(w.to(x.dtype), tl.trans(x), acc, IEEE)
+            if FP8:
+                w, x = w.to(out_ptr.dtype.element_ty), x.to(out_ptr.dtype.element_ty)
+            acc = _dot(w, tl.trans(x), acc, IEEE)
     else:
         for k0 in range(lo, hi, BK):
             k = k0 + tl.arange(0, BK)
@@ -88,9 +91,12 @@ def _skinny_gemm_kernel(
             else:
                 w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < hi)[None, :], other=0.0)
             x = _x_tile(x_cols, k, m_ok, hi, K, GATED, not EVEN_K)
-            acc = _dot(w.to(x.dtype), x, acc, IEEE)
-    if W_FP8:
-        acc *= tl.load(ws_ptr + n, mask=n_ok, other=0.0)[:, None]
+            if FP8:
+                w, x = w.to(out_ptr.dtype.element_ty), x.to(out_ptr.dtype.element_ty)
+            acc = _dot(w, x, acc, IEEE)
+    if FP8:
+        w_scale = tl.load(ws_ptr + n, mask=n_ok, other=0.0)
+        acc *= w_scale[:, None] * tl.load(xs_ptr + m, mask=m_ok, other=0.0)[None, :]
     out_at = out_ptr + m[None, :] * stride_om + n[:, None]
     out_ok = n_ok[:, None] & m_ok[None, :]
     if SPLIT == 1:
@@ -154,6 +160,8 @@ def skinny_gemm(
     num_stages: int = 4,
     tma: bool = False,
     weight_scale: torch.Tensor | None = None,
+    x_scale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """`x [M, K] @ weight [N, K]^T -> [M, N]` in x's dtype (fp32 accumulation), for M up to
     64. `counters`: int32, at least `ceil(N / block_n)`, all zero; every launch leaves them
@@ -163,21 +171,27 @@ def skinny_gemm(
     the defaults the engine uses; `tma`: tiles fetched by the copy engine (Hopper tensor
     memory access, through tensor descriptors; needs 16-byte aligned rows) instead of
     per-thread loads (faster on the H200 at 1 to 16 rows, slower at 64: docs/perf-log/).
-    `weight_scale`: fp32, one per output row, for a float8 `weight` (W ~ weight * scale):
-    half the bytes streamed, x stays in its dtype."""
+    `weight_scale`, `x_scale`: fp32, one per output row of `weight` and one per row of `x`,
+    for float8 operands (W ~ weight * weight_scale, rows ~ x * x_scale): half the weight
+    bytes streamed; the output in `out_dtype` (bf16 on a GPU: the interpreter's bf16
+    products are wrong, so fp32 there)."""
     m, k = x.shape[0], weight.shape[1]
     n = weight.shape[0]
     if x.shape[1] != (2 * k if gated else k) or weight.stride(1) != 1 or x.stride(1) != 1:
         raise ValueError(f"x [M, K], weight [N, K], K contiguous: got {x.shape}, {weight.shape}")
     if m > 64:
         raise ValueError(f"skinny_gemm takes at most 64 rows, got {m}")
-    if (weight_scale is not None) != (weight.dtype == torch.float8_e4m3fn):
-        raise ValueError("a float8 weight needs its weight_scale, and only a float8 weight")
+    fp8 = weight.dtype == torch.float8_e4m3fn
+    if fp8 != (x.dtype == torch.float8_e4m3fn) or (
+        fp8 and (weight_scale is None or x_scale is None or gated)
+    ):
+        raise ValueError("float8 operands: both, with weight_scale and x_scale, not gated")
     block_m = block_m or max(16, triton.next_power_of_2(m))
     tiles = triton.cdiv(n, block_n)
     if split > 1 and (counters.dtype != torch.int32 or counters.numel() < tiles):
         raise ValueError(f"counters must be int32 with at least {tiles} elements")
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
+    out_dtype = out_dtype or x.dtype
+    out = torch.empty(m, n, dtype=out_dtype, device=x.device) if out is None else out
     parts = out  # unused without a split
     if split > 1:
         parts = torch.empty(split, block_m, n, dtype=torch.float32, device=x.device)
@@ -194,7 +208,8 @@ def skinny_gemm(
         x_arg,
         up_arg,
         w_arg,
-        weight_scale if weight_scale is not None else out,
+        weight_scale if fp8 else out,
+        x_scale if fp8 else out,
         out,
         parts,
         counters,
@@ -209,10 +224,10 @@ def skinny_gemm(
         BK=block_k,
         SPLIT=split,
         EVEN_K=k % block_k == 0,  # whole chunks: every split's columns lie below K
-        IEEE=x.dtype == torch.float32,
+        IEEE=out.dtype == torch.float32,
         GATED=gated,
         TMA=tma,
-        W_FP8=weight_scale is not None,
+        FP8=fp8,
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl_launch(),

@@ -128,3 +128,35 @@ def test_fp8_rows_do_not_depend_on_how_prompts_are_split(tiny_ckpt):
         )
         rows.append(run(engine, _requests())[1])
     assert rows[0] == rows[1]
+
+
+@pytest.mark.parametrize("max_rows", [0, 16])
+def test_the_gpu_paths_in_the_triton_interpreter(tiny_ckpt, max_rows):
+    """The ops a GPU runs, on the CPU: quantization in the norm and SiLU kernels (max_rows 0:
+    every step), the float8 weight in the few-row GEMM (16: steps of up to 16 tokens), the
+    Triton attention; fp32, since the interpreter's bf16 products are wrong. The matmul is the
+    CPU's dequantized one. Against the same hooked reference as the torch path."""
+    import os
+
+    from engine.model import SkinnyGemmOps, TorchOps
+    from engine.quantization import Fp8Ops
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton compiles for the GPU here; the CUDA tests cover these paths")
+    cfg = EngineConfig(
+        block_size=4,
+        max_num_seqs=4,
+        max_num_batched_tokens=24,
+        quantization="fp8",
+        plan_overrides={"attention_backend": "triton"},
+    )
+    engine = Engine.from_pretrained(tiny_ckpt, cfg)
+    counters = torch.zeros(64, dtype=torch.int32)
+    base = SkinnyGemmOps(max_rows, counters) if max_rows else TorchOps
+    engine.model.ops = Fp8Ops(base, fused=True, dtype=torch.float32)
+    recorder = HiddenRecorder(engine)
+    prompts, rows = run(engine, _requests())
+    reference = _fake_quant_reference(tiny_ckpt)
+    _, _, checked = check_all_chunks(engine, recorder, reference, prompts, rows, tol=5e-3)
+    sizes = [sum(n for _, _, n in chunks) for chunks, _ in recorder.steps]
+    assert checked > 10 and min(sizes) <= 16 < max(sizes)

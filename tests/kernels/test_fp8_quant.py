@@ -85,19 +85,22 @@ def _fp8_weight(n, k, seed):
 
 @pytest.mark.parametrize("loads", [{}, {"tma": True}])
 @pytest.mark.parametrize("m, n, k, split", [(1, 48, 64, 1), (5, 64, 80, 3), (16, 32, 128, 2)])
-def test_skinny_gemm_over_a_float8_weight(loads, m, n, k, split):
-    """The float8 weight widened in the GEMM and its per-channel scales applied to the sums:
-    equal to F.linear over the dequantized weight (fp32 x)."""
-    w8, scale = _fp8_weight(n, k, seed=m)
-    x = torch.randn(m, k, device=DEVICE)
+def test_skinny_gemm_over_float8_operands(loads, m, n, k, split):
+    """Float8 weight and rows widened in the GEMM and both scales applied to the sums:
+    F.linear over the dequantized operands (fp32 out here; bf16 on a GPU below)."""
+    w8, w_scale = _fp8_weight(n, k, seed=m)
+    x8, x_scale = quantize_rows(torch.randn(m, k, device=DEVICE))
     counters = torch.zeros(8, dtype=torch.int32, device=DEVICE)
     knobs = dict(block_n=16, block_k=32, split=split, num_stages=2, **loads)
-    out = skinny_gemm(x, w8, counters, weight_scale=scale, **knobs)
-    ref = F.linear(x, w8.float() * scale.t())
+    scales = dict(weight_scale=w_scale, x_scale=x_scale, out_dtype=torch.float32)
+    out = skinny_gemm(x8, w8, counters, **scales, **knobs)
+    ref = F.linear(x8.float() * x_scale, w8.float() * w_scale.t())
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     assert int(counters.abs().sum()) == 0
-    with pytest.raises(ValueError, match="weight_scale"):
-        skinny_gemm(x, w8, counters, **knobs)
+    with pytest.raises(ValueError, match="float8 operands"):
+        skinny_gemm(x8, w8, counters, weight_scale=w_scale, **knobs)
+    with pytest.raises(ValueError, match="float8 operands"):
+        skinny_gemm(x8.float(), w8, counters, **scales, **knobs)
 
 
 @pytest.mark.cuda
@@ -108,14 +111,14 @@ def test_skinny_gemm_over_a_float8_weight(loads, m, n, k, split):
 def test_skinny_fp8_higgs_shapes_in_bf16(m, n, k, tma):
     from kernels.skinny_gemm import skinny_tiles
 
-    w8, scale = _fp8_weight(n, k, seed=1)
-    x = torch.randn(m, k, device="cuda").bfloat16()
+    w8, w_scale = _fp8_weight(n, k, seed=1)
+    x8, x_scale = quantize_rows(torch.randn(m, k, device="cuda").bfloat16())
     counters = torch.zeros(4096, dtype=torch.int32, device="cuda")
-    tiles = skinny_tiles(m, n, k, tma)
-    out = skinny_gemm(x, w8, counters, weight_scale=scale, tma=tma, **tiles)
-    ref = F.linear(x.float(), w8.float() * scale.t())
+    scales = dict(weight_scale=w_scale, x_scale=x_scale, out_dtype=torch.bfloat16)
+    out = skinny_gemm(x8, w8, counters, tma=tma, **scales, **skinny_tiles(m, n, k, tma))
+    ref = F.linear(x8.float() * x_scale, w8.float() * w_scale.t())
     err = float((out.float() - ref).norm() / ref.norm())
-    assert err < 1e-2, err  # bf16 output rounding only
+    assert out.dtype == torch.bfloat16 and err < 1e-2, err  # bf16 output rounding only
 
 
 @pytest.mark.cuda
