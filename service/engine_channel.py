@@ -99,6 +99,13 @@ class EncodeVoice:
 
 
 @dataclass(frozen=True)
+class CancelEncode:
+    """Its asker gave up (its client left): dropped if not begun (one begun runs out)."""
+
+    token: int
+
+
+@dataclass(frozen=True)
 class Stop:
     pass
 

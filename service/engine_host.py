@@ -38,6 +38,7 @@ from service.engine_channel import (
     AbortRequest,
     Added,
     AddRequest,
+    CancelEncode,
     Encoded,
     EncodeVoice,
     EngineInfo,
@@ -132,6 +133,7 @@ class EngineHost:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="clonecast-engine", daemon=True)
         self.encoder_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="encode")
+        self._encodes: dict[int, concurrent.futures.Future] = {}  # queued or running, by token
 
     def start(self) -> None:
         self._thread.start()
@@ -165,12 +167,18 @@ class EngineHost:
                 future = self.encoder_pool.submit(
                     self.engine.encode_reference, command.audio, command.transcript
                 )
+                self._encodes[command.token] = future
                 future.add_done_callback(lambda f, t=command.token: self._encoded(t, f))
+            elif isinstance(command, CancelEncode):
+                future = self._encodes.get(command.token)
+                if future is not None:
+                    future.cancel()  # only if still queued
             else:
                 self._pending.put(command)
 
     def _encoded(self, token: int, future: concurrent.futures.Future) -> None:
-        if future.cancelled():  # queued encodes dropped at shutdown
+        self._encodes.pop(token, None)
+        if future.cancelled():  # queued encodes dropped at shutdown or by CancelEncode
             return
         error = future.exception()
         reference = None if error else future.result()

@@ -22,10 +22,12 @@ MESSAGE_TYPES = ("speak", "append", "flush", "cancel", "voice.create", "voice.up
 
 
 class ProtocolError(Exception):
-    def __init__(self, code: str, message: str, uid: str | None = None):
+    def __init__(self, code: str, message: str, uid: str | None = None, **extra):
+        """`extra`: more fields of the error message (`retry_after_s` of `rate_limited`)."""
         super().__init__(message)
         self.code = code
         self.uid = uid
+        self.extra = extra
 
 
 MAX_TRANSCRIPT_CHARS = 4096  # a reference of at most 30 s says far less than this
@@ -57,6 +59,15 @@ def loads_json(text: str | bytes) -> object:
                 "bad_json", "not valid JSON: a string holds a lone UTF-16 surrogate"
             ) from exc
     return value
+
+
+def as_object(text: str) -> dict:
+    """The message as a JSON object, or {} when it is none (for an error's ids only)."""
+    try:
+        value = loads_json(text)
+    except ProtocolError:
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def parse_message(text: str) -> dict:

@@ -57,18 +57,25 @@ def test_text_json_cannot_hold_is_bad_json(srv, frame):
 def test_rejected_text_leaves_no_utterance_behind(srv):
     """Refused speaks (more than max_utterances of them) never fill the connection, and the
     same id works afterwards; an append whose sentence the engine refuses ends its utterance
-    with bad_request (as the same text in a speak)."""
+    with bad_request (as the same text in a speak), and more text for it is refused, not
+    spoken by a new utterance; a speak may take its id."""
 
     async def main():
         async with open_ws(srv.ws) as ws:
             for _ in range(3):
                 await ws.send('{"type":"speak","id":"a","text":"hi ' + SURROGATE + '."}')
                 await expect_error(ws, "bad_json")
-            for uid in ("c", "c"):
+            for uid in ("c", "d", "e"):
                 await ws.send(json.dumps({"type": "append", "id": uid, "text": "hi <|audio|>. "}))
                 started, _ = await recv_until(ws, "started", id=uid)
                 err = await expect_error(ws, "bad_request")
                 assert err["id"] == uid
+            late = {"type": "append", "id": "c", "text": "more. ", "request_id": "late"}
+            await ws.send(json.dumps(late))
+            err = await expect_error(ws, "unknown_id")
+            assert "id" not in err and err["request_id"] == "late" and "(failed)" in err["message"]
+            await ws.send(speak("c", dur=0.2))
+            done, _ = await recv_until(ws, "done", timeout=120, id="c")
             await ws.send(speak("a", dur=0.2))
             done, _ = await recv_until(ws, "done", timeout=120, id="a")
             assert done["id"] == "a"
@@ -235,3 +242,67 @@ def test_mistyped_output_and_stream_are_refused(srv):
     assert "output must be an object" in err["message"]
     r = httpx.post(srv.http + "/v1/audio/speech", json={"input": "Hi.", "stream": "false"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "bad_request", r.text
+
+
+def test_an_append_after_its_utterance_ended_is_refused_not_spoken(srv):
+    """An `append` under the id of an utterance that has finished (like one cancelled) is
+    refused: late text never opens a new utterance under it; a speak may reuse the id."""
+
+    async def main():
+        async with open_ws(srv.ws) as ws:
+            params = {"max_duration_s": 0.2}
+            opening = {"type": "append", "id": "f", "text": "Hi.", "params": params}
+            await ws.send(json.dumps(opening))
+            await ws.send(json.dumps({"type": "flush", "id": "f"}))
+            await recv_until(ws, "done", timeout=120, id="f")
+            late = {"type": "append", "id": "f", "text": "And more. ", "request_id": "late"}
+            await ws.send(json.dumps(late))
+            err = await expect_error(ws, "unknown_id")
+            assert "id" not in err and err["request_id"] == "late" and "(done)" in err["message"]
+            assert await assert_alive(ws) == []  # nothing started under "f"
+
+    run(main())
+
+
+def test_a_transcript_query_that_is_not_utf8_is_refused_not_replaced(srv):
+    audio = reference_audio(1.0, f0=170.0)
+    url = srv.http + "/v1/voices?transcript="
+    r = httpx.post(url + "caf%E9", content=audio, timeout=60)  # Latin-1, not UTF-8
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "bad_request" and "UTF-8" in r.json()["error"]["message"]
+    ok = httpx.post(url + "caf%C3%A9+au+lait", content=audio, timeout=60)
+    assert ok.status_code == 201, ok.text
+    assert ok.json()["transcript"] == "café au lait"
+
+
+def test_encodes_queued_by_a_client_that_left_are_dropped(srv):
+    """Voice encodes a connection asked for and did not wait for are not run for no one: the
+    engine encodes at most the two it had begun (plus any done before the close was seen)."""
+    worker = srv.services.worker
+    wait_engine_idle(srv)
+    before = worker.stats.num_voice_encodes
+    refs = [reference_audio(8.0, f0=90.0 + 7 * i) for i in range(8)]
+
+    async def main():
+        async with open_ws(srv.ws) as ws:
+            for i, ref in enumerate(refs):
+                message = {"type": "voice.create", "audio_b64": b64(ref), "request_id": f"r{i}"}
+                await ws.send(json.dumps(message))
+
+    run(main())  # closed right after sending
+    settled, last, deadline = time.monotonic(), -1, time.monotonic() + 120
+    while time.monotonic() - settled < 3.0:  # until the count has not moved for 3 s
+        assert time.monotonic() < deadline, "the encode count never settled"
+        count = worker.stats.num_voice_encodes
+        if count != last:
+            settled, last = time.monotonic(), count
+        time.sleep(0.1)
+    assert last - before < len(refs), f"all {len(refs)} encodes ran for a client that left"
+
+    async def still_served():  # the encoder serves the clients that stay
+        async with open_ws(srv.ws) as ws:
+            await ws.send(json.dumps({"type": "voice.create", "audio_b64": b64(refs[-1])}))
+            created, _ = await recv_until(ws, "voice.created", timeout=120)
+            return created
+
+    assert run(still_served())["voice_id"].startswith("v_")

@@ -106,6 +106,23 @@ def test_messages_and_running_audio_keep_a_connection_open(idle_server):
     assert code == 4408 and got == []
 
 
+def test_an_append_waiting_for_more_text_does_not_keep_the_connection_open(idle_server):
+    """An `append` utterance never flushed, whose text so far has been spoken, waits for its
+    client: the connection idles out as if it had none (the utterance is cancelled)."""
+    opening = {"type": "append", "id": "w", "text": "Hello there. And", "params": {"seed": 1}}
+    opening["params"]["max_duration_s"] = 0.4
+
+    async def main():
+        async with open_ws(idle_server.ws) as ws:
+            await ws.send(json.dumps(opening))
+            return await _closed_with(ws, timeout=60)
+
+    code, got = run(main())
+    kinds = [json.loads(m)["type"] for m in got if isinstance(m, str)]
+    assert code == 4408
+    assert kinds[0] == "started" and "audio" in kinds and "done" not in kinds
+
+
 def test_full_engine_queue_is_over_capacity(make_server):
     server = make_server(max_num_seqs=1, max_waiting_requests=1)
 
