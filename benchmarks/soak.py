@@ -44,14 +44,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @contextlib.contextmanager
-def started_server(log_path: Path | None = None, ready_timeout_s: float = 300):
-    """`clonecast serve` on a free port: yields (http_url, pid); stopped with SIGTERM."""
+def started_server(env: dict | None = None, ready_timeout_s: float = 300):
+    """`clonecast serve` on a free port (`env`: more CLONECAST_* settings): yields
+    (http_url, pid); stopped with SIGTERM."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     tmp = Path(tempfile.mkdtemp(prefix="clonecast-soak-"))
-    log_path = log_path or tmp / "server.log"
-    env = {**os.environ, "CLONECAST_PORT": str(port)}
+    log_path = tmp / "server.log"
+    env = {**os.environ, **(env or {}), "CLONECAST_PORT": str(port)}
     env["CLONECAST_VOICE_STORE"] = str(tmp / "voices.sqlite3")
     exe = Path(sys.executable).with_name("clonecast")
     cmd = [str(exe), "serve"] if exe.exists() else [sys.executable, "-m", "service.cli", "serve"]
@@ -62,7 +63,8 @@ def started_server(log_path: Path | None = None, ready_timeout_s: float = 300):
         deadline = time.monotonic() + ready_timeout_s
         while not _ready(url):
             if server.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the server did not become ready; its log: {log_path}")
+                tail = log_path.read_text()[-3000:]
+                raise RuntimeError(f"the server did not become ready; its log ends:\n{tail}")
             time.sleep(0.5)
         yield url, server.pid
     finally:
