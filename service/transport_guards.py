@@ -14,10 +14,9 @@ import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
+from clonecast_client.wire import CLOSE_POLICY
 from service.config import Limits
 from service.message_rate import TokenBucket
-
-CLOSE_POLICY = 1008  # a WebSocket client that floods
 
 
 def guarded_protocols(limits: Limits) -> dict:

@@ -15,6 +15,7 @@ from clonecast_client.wire import (
     CLOSE_CAPACITY,
     CLOSE_FORBIDDEN,
     CLOSE_IDLE,
+    CLOSE_POLICY,
     CLOSE_SERVICE_RESTART,
     CLOSE_UNAUTHORIZED,
     PROTOCOL,
@@ -27,7 +28,6 @@ from service.session import Session
 from service.tokens import TokenError
 
 log = logging.getLogger("clonecast.ws")
-CLOSE_POLICY = 1008  # the standard "policy violation": a client that kept flooding
 STREAM = StreamConfig()  # the service's chunk sizes: the engine's defaults
 
 
@@ -188,5 +188,7 @@ def _ready_message(session: Session, services) -> dict:
             "max_reference_seconds": int(AudioLimits().max_seconds),
             "idle_timeout_s": limits.idle_timeout_s,
             "max_buffered_audio_bytes": limits.max_buffered_audio_bytes,
+            "max_messages_per_s": limits.max_messages_per_s,
+            "message_burst": limits.message_burst,
         },
     }

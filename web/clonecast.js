@@ -10,6 +10,7 @@ export const DEFAULT_URL = "ws://127.0.0.1:8737/v1/stream";
 
 // Close codes of the protocol, named like the errors the server sends before them.
 const CLOSE_CODES = {
+  1008: "rate_limited",
   1009: "message_too_large",
   1011: "server_error",
   1012: "server_restarting",

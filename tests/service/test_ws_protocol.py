@@ -71,6 +71,7 @@ def test_ready_message_describes_protocol_model_audio_and_limits(server):
     assert limits["max_reference_seconds"] == 30
     assert limits["idle_timeout_s"] == 60
     assert limits["max_buffered_audio_bytes"] == 4 * 1024 * 1024
+    assert limits["max_messages_per_s"] == 50 and limits["message_burst"] == 100
 
 
 def test_speak_round_trip_chunks_and_done_stats(server):

@@ -17,7 +17,9 @@ DEFAULT_SAMPLE_RATE = 24000  # audio without an `output` rate: the engine's own
 # Close codes of the protocol, named like the error codes the server sends before them.
 CLOSE_UNAUTHORIZED, CLOSE_FORBIDDEN, CLOSE_IDLE, CLOSE_CAPACITY = 4401, 4403, 4408, 4429
 CLOSE_SERVICE_RESTART = 1012  # the standard code: the server drains (a deploy), reconnect
+CLOSE_POLICY = 1008  # the standard code for a policy violation: a client that floods
 CLOSE_CODES = {
+    CLOSE_POLICY: "rate_limited",
     1009: "message_too_large",
     1011: "server_error",
     CLOSE_SERVICE_RESTART: "server_restarting",
