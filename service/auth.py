@@ -1,21 +1,24 @@
-"""API keys (compared in constant time), who a caller is, and allowed browser origins."""
+"""Who a caller is (from its API key: service/api_keys.py holds and compares them), where a
+request carries its key, and allowed browser origins."""
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+from service.api_keys import KeyRing, digest_of, owner_of
 
 
 @dataclass(frozen=True)
 class Caller:
     """Who is asking: `owner` labels the key's voices (`k_` and 12 hex digits of the key's
     SHA-256: never the key), None when the server has no keys (everything is everyone's);
-    an admin key sees and deletes every voice."""
+    an admin key sees and deletes every voice. `name`: the key's name, what logs, metrics
+    and the per-key limits know it by (its owner label for a key given in plaintext)."""
 
     owner: str | None = None
     admin: bool = False
+    name: str | None = None
 
     def sees(self, owner: str | None) -> bool:
         return self.owner is None or self.admin or owner is None or owner == self.owner
@@ -25,22 +28,17 @@ OPEN = Caller()  # a server without keys
 
 
 def owner_label(key: str) -> str:
-    return "k_" + hashlib.sha256(key.encode()).hexdigest()[:12]
+    return owner_of(digest_of(key))
 
 
-def caller_for(
-    key: str | None, keys: tuple[str, ...], admin_keys: tuple[str, ...]
-) -> Caller | None:
+def caller_for(key: str | None, ring: KeyRing) -> Caller | None:
     """The caller a key makes, or None when the key is not accepted."""
-    if not keys and not admin_keys:
+    if ring.open:
         return OPEN
-    if key is None:
+    entry = ring.match(key)
+    if entry is None:
         return None
-    if admin_keys and key_allowed(key, admin_keys):
-        return Caller(owner_label(key), admin=True)
-    if keys and key_allowed(key, keys):
-        return Caller(owner_label(key))
-    return None
+    return Caller(owner_of(entry.digest), entry.admin, entry.name)
 
 
 def extract_key(
@@ -59,19 +57,6 @@ def extract_key(
         if proto.startswith("bearer."):
             return proto[len("bearer.") :]
     return None
-
-
-def key_allowed(key: str | None, keys: tuple[str, ...]) -> bool:
-    """True when no keys are configured, or `key` equals one of them. Every configured key is
-    compared (constant time per key) so timing does not reveal which one nearly matched."""
-    if not keys:
-        return True
-    if key is None:
-        return False
-    ok = False
-    for candidate in keys:
-        ok |= hmac.compare_digest(key.encode(), candidate.encode())
-    return ok
 
 
 def origin_allowed(origin: str | None, allowed: tuple[str, ...]) -> bool:

@@ -81,7 +81,8 @@ def redact_secrets() -> None:
 def log_config(level: str = "info") -> dict:
     """uvicorn's logging configuration plus the `clonecast` loggers (the per-utterance line,
     warnings, errors) on stderr beside uvicorn's own, at `level` (uvicorn's level names, as
-    `--log-level` takes them; uvicorn sets its own loggers' level)."""
+    `--log-level` takes them; uvicorn sets its own loggers' level), and other libraries'
+    warnings."""
     from uvicorn.config import LOG_LEVELS, LOGGING_CONFIG
 
     config = copy.deepcopy(LOGGING_CONFIG)
@@ -94,9 +95,8 @@ def log_config(level: str = "info") -> dict:
         "class": "logging.StreamHandler",
         "stream": "ext://sys.stderr",
     }
-    config["loggers"]["clonecast"] = {
-        "handlers": ["clonecast"],
-        "level": LOG_LEVELS[level],
-        "propagate": False,
-    }
+    # on the root logger: clonecast's records reach it (and any handler a host process has
+    # put there, such as pytest's), and other libraries' warnings are printed the same way
+    config["root"] = {"handlers": ["clonecast"], "level": "WARNING"}
+    config["loggers"]["clonecast"] = {"level": LOG_LEVELS[level]}
     return config

@@ -13,9 +13,15 @@ ERROR = {"$ref": "#/components/schemas/Error"}
 
 
 def _errors(*statuses: int) -> dict:
+    """The error answers of `statuses`; 401 brings 403: an endpoint that takes a key also
+    checks the browser origin."""
+    if 401 in statuses:
+        statuses = tuple(sorted({*statuses, 403}))
     meaning = {
         400: "bad input (the code says which)",
         401: "a valid API key is required",
+        403: "forbidden_origin: a browser Origin not in CLONECAST_ALLOWED_ORIGINS",
+        429: "rate_limited: the key is over a per-key limit (Retry-After says when to retry)",
         404: "no such voice (or another key's)",
         409: "a voice name already taken",
         413: "the body is too large",
@@ -110,7 +116,7 @@ def document() -> dict:
                     },
                     "responses": {
                         "200": {"description": "the audio", "content": audio},
-                        **_errors(400, 401, 404, 413, 503),
+                        **_errors(400, 401, 404, 413, 429, 503),
                     },
                 }
             },

@@ -3,7 +3,8 @@ one asks `POST /v1/tokens` for a token that expires (and may be bound to the pag
 and hands that to the browser, which connects with `?token=`.
 
 A token is `cct1.<claims>.<signature>`: the claims (expiry, origin, the issuing key's owner
-label, so the page sees that key's voices, and a nonce) as base64url
+label, so the page sees that key's voices, its name, so the page counts against that key's
+limits, and a nonce) as base64url
 JSON, signed with HMAC-SHA256 under the server's secret (CLONECAST_TOKEN_SECRET, shared by
 the servers behind one balancer; random per start when unset, so a restart invalidates the
 tokens it issued). Nothing is stored: verification is the signature, the clock, the origin.
@@ -49,16 +50,23 @@ class TokenIssuer:
         self._secret = secret or secrets.token_bytes(32)
 
     def mint(
-        self, ttl_s: int = DEFAULT_TTL_S, origin: str | None = None, owner: str | None = None
+        self,
+        ttl_s: int = DEFAULT_TTL_S,
+        origin: str | None = None,
+        owner: str | None = None,
+        key_name: str | None = None,
     ) -> Token:
         expires = int(time.time()) + ttl_s
         claims = {"exp": expires, "origin": origin, "own": owner, "nonce": secrets.token_hex(8)}
+        if key_name is not None:
+            claims["key"] = key_name
         body = _b64(json.dumps(claims, separators=(",", ":")).encode())
         return Token(f"{PREFIX}.{body}.{self._sign(body)}", expires, origin)
 
-    def verify(self, token: str, origin: str | None) -> str | None:
-        """The owner label of the key that asked for it; raises TokenError unless `token` is
-        ours, unexpired, and (if bound) from `origin`."""
+    def verify(self, token: str, origin: str | None) -> tuple[str | None, str | None]:
+        """The owner label and the name of the key that asked for it (a token of a server
+        without keys: None, None); raises TokenError unless `token` is ours, unexpired, and
+        (if bound) from `origin`."""
         parts = token.split(".")
         if len(parts) != 3 or parts[0] != PREFIX:
             raise TokenError("not a clonecast token")
@@ -75,7 +83,8 @@ class TokenIssuer:
         bound = claims.get("origin")
         if bound is not None and bound != origin:
             raise TokenError("the token is bound to another origin")
-        return claims.get("own")
+        owner = claims.get("own")
+        return owner, claims.get("key", owner)
 
     def _sign(self, body: str) -> str:
         return _b64(hmac.new(self._secret, body.encode(), hashlib.sha256).digest())

@@ -1,7 +1,8 @@
 """What an utterance reports, whatever its transport: its audio as it goes out (first audio,
 chunk lead, underruns, audio seconds: the Prometheus series with their `transport` label) and
-one log line when it ends (ids, transport, voice, segments, first audio, audio seconds,
-real-time factor, outcome or error code; never its text). Plain text or JSON, by
+one log line when it ends (ids, transport, the API key's name, voice, segments, first audio,
+audio seconds, real-time factor, outcome or error code; never its text nor a key). Its audio
+also counts against its key's per-minute limit (service/key_limits.py). Plain text or JSON, by
 CLONECAST_LOG_FORMAT.
 
 Lead and underruns are measured against a player that starts with the first audio and, when
@@ -15,14 +16,26 @@ import json
 import logging
 import time
 
+from service.key_limits import UNLIMITED, KeyLease
+
 log = logging.getLogger("clonecast.utterances")
 
 
 class UtteranceReport:
-    def __init__(self, metrics, transport: str, name: str, log_format: str = "plain"):
-        """`name`: how the log names it (the session and utterance ids, or the HTTP id)."""
+    def __init__(
+        self,
+        metrics,
+        transport: str,
+        name: str,
+        log_format: str = "plain",
+        key: str | None = None,
+        lease: KeyLease = UNLIMITED,
+    ):
+        """`name`: how the log names it (the session and utterance ids, or the HTTP id);
+        `key`: the caller's key name; `lease`: its hold on that key's limits."""
         self.metrics, self.transport, self.name = metrics, transport, name
         self.log_format = log_format
+        self.key, self.lease = key, lease
         self.ended = False
 
     def audio_sent(self, utt, audio_bytes: int, wire_bytes: int) -> None:
@@ -46,6 +59,9 @@ class UtteranceReport:
         stats.chunks += 1
         stats.bytes += wire_bytes
         m.audio_seconds.labels(t).inc(seconds)
+        if self.key is not None:
+            m.key_audio_seconds.labels(self.key).inc(seconds)
+        self.lease.add_audio(seconds)
 
     def done(self, utt) -> dict:
         """The utterance was heard to its end: its `done` stats."""
@@ -69,6 +85,7 @@ class UtteranceReport:
         fields = {
             "utterance": self.name,
             "transport": self.transport,
+            "key": self.key,
             "voice": utt.voice_id,
             "segments": stats["segments"],
             "first_audio_ms": stats["first_audio_ms"],

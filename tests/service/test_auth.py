@@ -8,6 +8,8 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
+from service.web_files import WEB_DIR
+
 from .conftest import (
     FRAME_BYTES,
     assert_alive,
@@ -16,6 +18,7 @@ from .conftest import (
     frames_for,
     recv_json,
     run,
+    scrape,
     speak,
 )
 
@@ -169,6 +172,56 @@ def test_http_cors_preflight(origins):
         timeout=30,
     )
     assert r.headers.get("access-control-allow-origin") != "https://evil.example"
+
+
+@pytest.mark.parametrize(
+    "method, path",
+    [
+        ("POST", "/v1/audio/speech"),
+        ("GET", "/v1/voices"),
+        ("POST", "/v1/voices"),
+        ("DELETE", "/v1/voices/v_x"),
+        ("POST", "/v1/tokens"),
+        ("GET", "/v1/models"),
+        ("GET", "/metrics"),
+        ("GET", "/health"),
+        ("GET", "/openapi.json"),
+        ("OPTIONS", "/v1/audio/speech"),  # a CORS preflight too
+    ],
+)
+def test_http_from_a_forbidden_origin_is_403_like_the_websocket(origins, method, path):
+    before = scrape(origins)['clonecast_errors_total{code="forbidden_origin",transport="http"}']
+    headers = {"Origin": "https://evil.example", "Access-Control-Request-Method": "POST"}
+    r = httpx.request(method, origins.http + path, headers=headers, timeout=30)
+    assert r.status_code == 403, r.text
+    assert r.json()["error"]["code"] == "forbidden_origin"
+    assert "access-control-allow-origin" not in r.headers
+    after = scrape(origins)['clonecast_errors_total{code="forbidden_origin",transport="http"}']
+    assert after == before + 1
+
+
+def test_http_from_an_allowed_origin_or_none_is_served(origins):
+    body = {"input": "Hi.", "response_format": "pcm", "max_duration_s": 0.4}
+    for headers in ({"Origin": "https://ok.example"}, {}):
+        r = httpx.post(origins.http + "/v1/audio/speech", json=body, headers=headers, timeout=60)
+        assert r.status_code == 200 and len(r.content) == frames_for(0.4) * FRAME_BYTES
+        assert (
+            httpx.get(origins.http + "/v1/voices", headers=headers, timeout=30).status_code == 200
+        )
+    r = httpx.get(origins.http + "/v1/voices", headers={"Origin": "https://ok.example"})
+    assert r.headers["access-control-allow-origin"] == "https://ok.example"
+
+
+@pytest.mark.skipif(not WEB_DIR.is_dir(), reason="no web/ folder")
+def test_the_demo_files_are_not_origin_checked(origins):
+    """They hold no data and do nothing (a page elsewhere may link the SDK file)."""
+    r = httpx.get(origins.http + "/clonecast.js", headers={"Origin": "https://evil.example"})
+    assert r.status_code == 200
+
+
+def test_without_an_allow_list_any_origin_is_served(server):
+    r = httpx.get(server.http + "/v1/voices", headers={"Origin": "https://any.example"})
+    assert r.status_code == 200
 
 
 # -- short-lived browser tokens (POST /v1/tokens, ?token=) ------------------------------------

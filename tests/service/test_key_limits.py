@@ -80,3 +80,26 @@ def test_no_key_or_no_limit_is_never_refused_and_an_idle_key_holds_nothing():
     lease = limits.admit("alice")
     lease.release()
     assert limits._usage == {}  # released, no audio in the window: forgotten
+
+
+def test_the_settings_default_to_off_and_a_bad_value_names_the_variable():
+    from service.config import ServiceSettings
+
+    off = ServiceSettings.from_env({}).limits
+    assert off.max_utterances_per_key == 0 and off.max_audio_s_per_minute_per_key == 0
+    env = {
+        "CLONECAST_MAX_UTTERANCES_PER_KEY": "4",
+        "CLONECAST_MAX_AUDIO_S_PER_MINUTE_PER_KEY": "90.5",
+        "CLONECAST_API_KEY_FILE": "/etc/clonecast/keys",
+    }
+    settings = ServiceSettings.from_env(env)
+    assert settings.limits.max_utterances_per_key == 4
+    assert settings.limits.max_audio_s_per_minute_per_key == 90.5
+    assert str(settings.api_key_file) == "/etc/clonecast/keys"
+    for name, bad in (
+        ("CLONECAST_MAX_UTTERANCES_PER_KEY", "-1"),
+        ("CLONECAST_MAX_UTTERANCES_PER_KEY", "two"),
+        ("CLONECAST_MAX_AUDIO_S_PER_MINUTE_PER_KEY", "nan"),
+    ):
+        with pytest.raises(ValueError, match=name):
+            ServiceSettings.from_env({name: bad})

@@ -77,4 +77,5 @@ def test_every_record_is_redacted_also_through_uvicorns_access_formatter():
 def test_the_log_config_adds_clonecasts_loggers_at_the_level():
     config = log_config("debug")
     assert config["loggers"]["clonecast"]["level"] == logging.DEBUG
+    assert config["root"]["handlers"] == ["clonecast"]  # clonecast's records propagate there
     assert config["loggers"]["uvicorn.access"]["handlers"] == ["access"]
