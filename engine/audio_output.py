@@ -59,6 +59,7 @@ class RequestOutput:
     finish_reason: str | None = None
     rows: list[AudioRow] | None = None  # all rows, on the finishing event only
     audio: AudioChunk | None = None
+    error: str | None = None  # why it ended, with finish_reason "error" (else the audio's)
 
 
 class AudioOutput:
@@ -86,22 +87,29 @@ class AudioOutput:
         """Forgets a held request (aborted): nothing more is reported for it."""
         return self.held.pop(request_id, None) is not None
 
-    def submit(self, updates) -> set[str]:
+    def submit(self, updates) -> tuple[set[str], dict[str, str]]:
         """Submits the windows that `updates` (request, row, finish reason) made ready, one
-        codec batch per shape; returns the ids of their requests."""
+        codec batch per shape; returns the ids of their requests, and the requests whose
+        window could not be made (id -> why): they fail alone, the batch goes on."""
         windows: list[ChunkWindow] = []
         owners: list[Request] = []
+        failed: dict[str, str] = {}
         for request, _, reason in updates:
             stream = self.streams.get(request.request_id)
-            if stream is not None:
+            if stream is None:
+                continue
+            try:
                 window = stream.next_window(request.output_rows, finished=reason is not None)
-                if window is not None:
-                    windows.append(window)
-                    owners.append(request)
-        if not windows:
-            return set()
-        self.in_flight.append((self.chunks.submit(windows), owners, time.monotonic()))
-        return {r.request_id for r in owners}
+            except Exception as exc:
+                log.exception("making an audio window of %s failed", request.request_id)
+                failed[request.request_id] = f"audio window failed: {type(exc).__name__}: {exc}"
+                continue
+            if window is not None:
+                windows.append(window)
+                owners.append(request)
+        if windows:
+            self.in_flight.append((self.chunks.submit(windows), owners, time.monotonic()))
+        return {r.request_id for r in owners}, failed
 
     def collect(self, finish: Callable[[Request, FinishReason], None]) -> list[RequestOutput]:
         """Reads every submitted batch (waiting for any still running) and turns its chunks

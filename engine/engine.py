@@ -301,14 +301,27 @@ class Engine:
         with self._counters.timing("rows"):
             self.scheduler.on_rows_read(sampled.requests)
             updates = self._append_rows(sampled)
-            decoding = self.audio.submit(updates)
+            decoding, failed = self.audio.submit(updates)
+            outputs = [
+                self._failed(r, failed[r.request_id])
+                for r, _, _ in updates
+                if r.request_id in failed
+            ]
             if not self.config.row_events:
                 updates = [u for u in updates if u[2] is not None]  # finishes only
-            outputs = [
+            outputs += [
                 self._output(request, row, reason, request.request_id in decoding)
                 for request, row, reason in updates
+                if request.request_id not in failed
             ]
         return outputs
+
+    def _failed(self, request: Request, error: str) -> RequestOutput:
+        """A request whose own part of the step failed: it ends alone with an error."""
+        self._finish(request, FinishReason.ERROR)
+        return RequestOutput(
+            request.request_id, [], True, FinishReason.ERROR.value, request.output_rows, None, error
+        )
 
     def _append_rows(self, sampled) -> list[tuple[Request, AudioRow, FinishReason | None]]:
         updates = []

@@ -56,6 +56,10 @@ log = logging.getLogger("clonecast.engine_host")
 
 STATS_INTERVAL_S = 0.05  # step statistics go to the server at most this often while busy
 IDLE_POLL_S = 0.1  # the command loop's wait; an idle engine's stats are re-sent
+# Steps failing in a row before the engine gives up: one failure fails its step's requests
+# and serving goes on; a run of them means the device is broken (a CUDA error poisons the
+# context for good), and only a new process (service/engine_supervisor.py) can recover.
+MAX_FAILED_STEPS = 3
 
 
 @dataclass(frozen=True)
@@ -131,6 +135,7 @@ class EngineHost:
         self._pending: queue.SimpleQueue = queue.SimpleQueue()  # to the engine thread
         self._live: set[str] = set()  # wire ids whose events go out (the engine thread's)
         self._stop = threading.Event()
+        self.broken = False  # the engine thread gave up (MAX_FAILED_STEPS)
         self._thread = threading.Thread(target=self._run, name="clonecast-engine", daemon=True)
         self.encoder_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="encode")
         self._encodes: dict[int, concurrent.futures.Future] = {}  # queued or running, by token
@@ -188,6 +193,7 @@ class EngineHost:
     # -- the engine thread -------------------------------------------------------------------
 
     def _run(self) -> None:
+        failed_steps = 0
         while not self._stop.is_set():
             try:
                 self._drain(block=not self.engine.has_unfinished())
@@ -199,10 +205,16 @@ class EngineHost:
             try:
                 # audio read back early in the step goes out at once (emit), the rest after it
                 self._deliver(self.engine.step(emit=self._deliver))
-            except Exception as exc:  # a bug: fail what is running, keep serving
+            except Exception as exc:  # fail what is running, keep serving the others
                 log.exception("engine step failed")
                 self._fail_all(exc)
+                failed_steps += 1
+                if failed_steps >= MAX_FAILED_STEPS:
+                    log.error("%d engine steps failed in a row: the engine exits", failed_steps)
+                    self.broken = True
+                    return
                 continue
+            failed_steps = 0
             try:
                 self._on_step(time.perf_counter() - t0, self.engine.stats)
             except Exception:  # the statistics or the profiler: never the engine's end
@@ -257,7 +269,12 @@ class EngineHost:
             if out.finished:
                 self._live.discard(wire)
             items.append(
-                (wire, RequestOutput(wire, [], out.finished, out.finish_reason, None, out.audio))
+                (
+                    wire,
+                    RequestOutput(
+                        wire, [], out.finished, out.finish_reason, None, out.audio, out.error
+                    ),
+                )
             )
         if items:
             self.events.put(Outputs(items))
@@ -298,6 +315,10 @@ def process_main(spec: EngineSpec, commands, events) -> None:
         orphaned = host.serve(commands, multiprocessing.parent_process().is_alive)
     finally:
         host.stop()
+    if host.broken:  # the requests' failures reach the server, then a non-zero exit
+        events.close()
+        events.join_thread()
+        os._exit(1)
     if orphaned:
         # Nobody reads the events any more: the queue's feeder thread may block on a full
         # pipe forever, and a normal exit would wait for it (holding the GPU). Leave now.

@@ -34,6 +34,7 @@ STATUS = {
     "draining": 503,
     "name_conflict": 409,
     "voice_store_full": 507,
+    "voice_store_error": 507,
 }
 
 
@@ -274,7 +275,11 @@ async def voice_delete(request: Request) -> Response:
         return error(request, "unauthorized", "a valid API key is required")
     if (answer := not_ready(request)) is not None:
         return answer
-    if not services_of(request).voices.delete(request.path_params["voice_id"], caller):
+    try:
+        deleted = services_of(request).voices.delete(request.path_params["voice_id"], caller)
+    except ConfigError as exc:  # the store could not be written: the voice stays
+        return error(request, exc.code, str(exc))
+    if not deleted:
         return error(request, "unknown_voice", f"no voice {request.path_params['voice_id']!r}")
     return Response(status_code=204)
 

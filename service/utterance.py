@@ -214,7 +214,7 @@ class Utterance:
             if isinstance(out, BaseException):
                 detail = str(out)
             else:
-                detail = out.audio.error if out.audio else ""
+                detail = out.error or (out.audio.error if out.audio else "") or ""
             code = "bad_parameter" if isinstance(out, ConfigError) else "generation_failed"
             self.fail(code, f"segment {seg.index} failed: {detail}")
             return

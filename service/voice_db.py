@@ -5,6 +5,7 @@ mode, so a crash loses at most the voice being written."""
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 import threading
 from pathlib import Path
@@ -25,6 +26,11 @@ CREATE TABLE IF NOT EXISTS voices (
     UNIQUE (owner, name)
 )
 """
+
+
+class StoreWriteError(Exception):
+    """A voice could not be written or deleted (the disk is full, the file is read-only):
+    the store's own wording, the same for every backend."""
 
 
 class VoiceDatabase:
@@ -55,14 +61,14 @@ class VoiceDatabase:
         created: float,
     ) -> None:
         codes = np.asarray(reference.codes, dtype="<i2")
-        with self._lock:
+        with self._lock, _writing():
             self._db.execute(
                 "INSERT OR REPLACE INTO voices VALUES (?, ?, ?, ?, ?, ?, ?)",
                 (voice_id, owner, name, reference.text, len(codes), codes.tobytes(), created),
             )
 
     def delete(self, voice_id: str) -> None:
-        with self._lock:
+        with self._lock, _writing():
             self._db.execute("DELETE FROM voices WHERE voice_id = ?", (voice_id,))
 
     def load(self) -> list[tuple[str, str | None, str | None, VoiceReference, float]]:
@@ -82,3 +88,11 @@ class VoiceDatabase:
     def close(self) -> None:
         with self._lock:
             self._db.close()
+
+
+@contextlib.contextmanager
+def _writing():
+    try:
+        yield
+    except sqlite3.Error as exc:  # e.g. "database or disk is full"
+        raise StoreWriteError(f"the voice store could not be written: {exc}") from exc

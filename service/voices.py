@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 
 from engine import FRAMES_PER_SECOND, ConfigError, VoiceReference
 from service.auth import OPEN, Caller
-from service.voice_db import VoiceDatabase
+from service.voice_db import StoreWriteError, VoiceDatabase
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
@@ -116,8 +116,10 @@ class VoiceStore:
             voice = existing or Voice(voice_id, reference, time.time(), owner=owner)
             voice = replace(voice, name=name or voice.name, kept=kept)
             if voice != existing:
-                if kept and self.db is not None:
-                    self.db.save(voice_id, owner, voice.name, voice.reference, voice.created_at)
+                if kept and self.db is not None:  # written first: a kept voice persists
+                    self._write(
+                        self.db.save, voice_id, owner, voice.name, voice.reference, voice.created_at
+                    )
                 if voice.name:
                     self._names[owner, voice.name] = voice_id
             self._voices[voice_id] = voice
@@ -140,11 +142,11 @@ class VoiceStore:
             voice = self._find(key, caller)
             if voice is None or (voice.owner is None and caller.owner and not caller.admin):
                 return False
+            if voice.kept and self.db is not None:
+                self._write(self.db.delete, voice.voice_id)
             del self._voices[voice.voice_id]
             if voice.name:
                 self._names.pop((voice.owner, voice.name), None)
-            if voice.kept and self.db is not None:
-                self.db.delete(voice.voice_id)
             return True
 
     def list(self, caller: Caller = OPEN) -> list[Voice]:
@@ -158,6 +160,15 @@ class VoiceStore:
             voice_id = next((v for (o, n), v in self._names.items() if n == key), key)
             voice = self._voices.get(voice_id)
         return voice if voice is not None and caller.sees(voice.owner) else None
+
+    @staticmethod
+    def _write(operation, *args) -> None:
+        """A database write; its failure refuses the change (nothing changes in memory)
+        with `voice_store_error`, and affects nothing else."""
+        try:
+            operation(*args)
+        except StoreWriteError as exc:
+            raise VoiceError("voice_store_error", f"{exc}; nothing was changed") from exc
 
     def _kept(self) -> int:
         return sum(v.kept for v in self._voices.values())
