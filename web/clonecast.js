@@ -21,8 +21,8 @@ const CLOSE_CODES = {
 };
 // Worth retrying later (the same request may succeed): capacity, transient failures.
 const RETRYABLE = new Set([
-  "over_capacity", "slow_consumer", "generation_failed", "internal", "server_error",
-  "server_restarting", "idle_timeout", "connection_closed", "connection_failed", "timeout",
+  "over_capacity", "rate_limited", "slow_consumer", "generation_failed", "internal",
+  "server_error", "server_restarting", "idle_timeout", "connection_closed", "connection_failed", "timeout",
 ]);
 
 export class ClonecastError extends Error {
