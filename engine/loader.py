@@ -168,5 +168,5 @@ def load_model(
         raise ConfigError(f"checkpoint is missing key {missing[0]!r} ({len(missing)} missing)")
     model.eval().requires_grad_(False)
     if quantization == "fp8":
-        quantize_model(model)
+        quantize_model(model, plan or ExecutionPlan())
     return model, codec_keys

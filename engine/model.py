@@ -158,19 +158,12 @@ class SkinnyGemmOps(TritonOps):
             return TritonOps.gated_linear(layer, gate_up)
         return self._gemm(layer, gate_up, gated=True)
 
-    def skinny_fp8(self, layer, rows, out_dtype: torch.dtype) -> torch.Tensor:
-        """An fp8 projection (engine/quantization.py's Fp8Linear) of few quantized rows:
-        half the weight bytes streamed, both scales applied to the fp32 sums."""
-        scales = dict(weight_scale=layer.weight_scale, x_scale=rows.scale, out_dtype=out_dtype)
-        return self._gemm(layer, rows.data, False, **scales)
-
-    def _gemm(self, layer, x: torch.Tensor, gated: bool, **fp8) -> torch.Tensor:
+    def _gemm(self, layer: nn.Linear, x: torch.Tensor, gated: bool) -> torch.Tensor:
         from kernels.skinny_gemm import skinny_gemm, skinny_tiles
 
         n, k = layer.weight.shape
         tiles = skinny_tiles(x.shape[0], n, k, self.loads.get("tma", False))
-        w = layer.weight
-        return skinny_gemm(x, w, self.counters, gated=gated, **fp8, **self.loads, **tiles)
+        return skinny_gemm(x, layer.weight, self.counters, gated=gated, **self.loads, **tiles)
 
 
 def _pdl_scope(enabled: bool):

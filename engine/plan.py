@@ -22,6 +22,9 @@ BACKENDS = ("torch", "triton", "varlen", "flash")
 DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # token counts of backbone graphs
 DEFAULT_FEW_ROW_GEMM_ROWS = 16  # at 64 rows cuBLAS is faster on the H200
+# fp8 weights: steps up to this many tokens take our GEMM over float8 operands, larger ones
+# torch._scaled_mm (measured on the H200: docs/perf-log/2026-12-02-session-14.md)
+DEFAULT_FEW_ROW_FP8_ROWS = 64
 DEFAULT_CODEC_GRAPH_BATCH = 64  # a step rarely completes more windows
 FOLLOW_EAGER = ("cuda_graphs", "sampler_graphs")  # set by enforce_eager, never overridden
 
@@ -41,6 +44,9 @@ class ExecutionPlan:
     pdl: bool = False  # programmatic dependent launch of the forward's Triton kernels
     few_row_gemm_rows: int = 0  # projections of steps up to this many tokens: our GEMM
     few_row_gemm_tma: bool = False  # ... fetching tiles with TMA tensor descriptors
+    # with quantization="fp8": projections of steps up to this many tokens in our GEMM over
+    # float8 operands (tiles through TMA where few_row_gemm_tma applies), others _scaled_mm
+    few_row_fp8_rows: int = 0
     cuda_graphs: bool = False  # FULL backbone graphs over `graph_buckets` (Triton backend)
     graph_buckets: tuple[int, ...] = DEFAULT_BUCKETS
     sampler_graphs: bool = False  # one graph per sampler row bucket
@@ -99,6 +105,14 @@ def check_overrides(overrides: Mapping[str, object], device: str) -> None:
             f"few_row_gemm_rows must be in 0..64, got {rows}",
         ),
         (bool(rows) and (cpu or not fused), "few_row_gemm_rows needs fused_ops on a CUDA device"),
+        (
+            not 0 <= o.get("few_row_fp8_rows", 0) <= 64,
+            f"few_row_fp8_rows must be in 0..64, got {o.get('few_row_fp8_rows')}",
+        ),
+        (
+            bool(o.get("few_row_fp8_rows")) and (cpu or not fused),
+            "few_row_fp8_rows needs fused_ops on a CUDA device",
+        ),
         (tma is True and (cpu or not fused), "few_row_gemm_tma needs fused_ops on a CUDA device"),
         (
             tma is True and rows == 0,
@@ -166,8 +180,12 @@ def resolve(config, model_config, device) -> ExecutionPlan:
         page_prefetch=o.get("page_prefetch", triton),
         pdl=resolve_pdl(o.get("pdl"), fused, device),
         few_row_gemm_rows=rows,
+        few_row_fp8_rows=o.get(
+            "few_row_fp8_rows",
+            DEFAULT_FEW_ROW_FP8_ROWS if fused and config.quantization == "fp8" else 0,
+        ),
         few_row_gemm_tma=resolve_tma(o.get("few_row_gemm_tma"), model_config, item, device)
-        if rows
+        if rows or o.get("few_row_fp8_rows", fused and config.quantization == "fp8")
         else False,
         cuda_graphs=graphs and triton,
         graph_buckets=tuple(o.get("graph_buckets", DEFAULT_BUCKETS)),

@@ -85,14 +85,18 @@ class Fp8Ops:
     """The model's ops (`base`: TorchOps, TritonOps or SkinnyGemmOps) with every projection in
     fp8. Each projection's input is quantized where it is made (with fused ops: in the add +
     RMSNorm kernel, or one SiLU-mul + quantize launch, else one quantize launch), then steps
-    of up to `base.max_rows` tokens multiply in our few-row GEMM and larger ones through the
-    scaled fp8 matmul: the same arithmetic either way. Everything else is the base's."""
+    of up to `max_rows` tokens multiply in our few-row GEMM (kernels/skinny_gemm.py, `tma`:
+    its tiles through the copy engine) and larger ones through the scaled fp8 matmul: the
+    same arithmetic either way. Everything else is the base's."""
 
-    def __init__(self, base, fused: bool, dtype: torch.dtype):
+    def __init__(self, base, fused: bool, dtype: torch.dtype, device, max_rows=0, tma=False):
         self.base = base
         self.fused = fused  # Triton quantization kernels (CUDA with the fused ops)
         self.dtype = dtype  # of activations and every projection's output
-        self.max_rows = getattr(base, "max_rows", 0)
+        self.max_rows, self.tma = max_rows, tma
+        self.counters = None  # the few-row GEMM's int32 zeros (each launch leaves them 0)
+        if max_rows:
+            self.counters = torch.zeros(4096, dtype=torch.int32, device=device)
 
     def __getattr__(self, name):  # qk_norm_rope, add_rms_norm, ...: the base's own
         if name == "base":  # not yet set (copying): no recursion
@@ -107,9 +111,13 @@ class Fp8Ops:
         return quantize_rows(self.base.silu_mul(x) if gated else x)
 
     def _matmul(self, rows: QuantizedRows, layer: Fp8Linear) -> torch.Tensor:
-        if rows.data.shape[0] <= self.max_rows:
-            return self.base.skinny_fp8(layer, rows, self.dtype)
-        return scaled_matmul(rows, layer, self.dtype)
+        if rows.data.shape[0] > self.max_rows:
+            return scaled_matmul(rows, layer, self.dtype)
+        from kernels.skinny_gemm import skinny_gemm, skinny_tiles
+
+        tiles = skinny_tiles(rows.data.shape[0], *layer.weight.shape, self.tma)
+        scales = dict(weight_scale=layer.weight_scale, x_scale=rows.scale, out_dtype=self.dtype)
+        return skinny_gemm(rows.data, layer.weight, self.counters, tma=self.tma, **scales, **tiles)
 
     def projection_norm(self, x, residual, weight, eps):
         """add + RMSNorm of a projection's input, quantized by the norm kernel itself."""
@@ -131,10 +139,11 @@ class Fp8Ops:
 PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 
-def quantize_model(model: nn.Module) -> None:
+def quantize_model(model: nn.Module, plan) -> None:
     """Replaces every decoder layer's projections with `Fp8Linear`s and the model's ops with
-    `Fp8Ops`, in place, after the checkpoint is loaded. CUDA needs bf16 activations and
-    dimensions that are multiples of 16 (the fp8 matmul's requirements)."""
+    `Fp8Ops` (`plan`: its few-row GEMM settings), in place, after the checkpoint is loaded.
+    CUDA needs bf16 activations and dimensions that are multiples of 16 (the fp8 matmul's
+    requirements)."""
     device = model.embed_tokens.weight.device
     dtype = model.embed_tokens.weight.dtype
     if device.type == "cuda" and dtype != torch.bfloat16:
@@ -150,4 +159,6 @@ def quantize_model(model: nn.Module) -> None:
                     f"{tuple(linear.weight.shape)}: use quantization='none' for this model"
                 )
             setattr(owner, name, Fp8Linear.from_linear(linear))
-    model.ops = Fp8Ops(model.ops, fused=device.type == "cuda" and model.fused_ops, dtype=dtype)
+    fused = device.type == "cuda" and model.fused_ops
+    rows, tma = plan.few_row_fp8_rows, plan.few_row_gemm_tma
+    model.ops = Fp8Ops(model.ops, fused, dtype, device, max_rows=rows, tma=tma)

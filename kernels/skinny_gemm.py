@@ -59,9 +59,9 @@ def _skinny_gemm_kernel(
     # With TMA, x_ptr / up_ptr / w_ptr are tensor descriptors (x and up `[M, K]`, blocks
     # `[BM, BK]`; w `[N, K]`, blocks `[BN, BK]`): the copy engine fetches whole tiles, rows
     # and columns past the ends read as zeros. FP8: w and x are float8 with fp32 scales per
-    # weight row (ws_ptr) and per x row (xs_ptr); tiles are widened to the output dtype
-    # (exactly: e4m3 values are bf16 values) and both scales applied to the fp32 sums, the
-    # arithmetic of torch._scaled_mm with row-wise scales.
+    # weight row (ws_ptr) and per x row (xs_ptr): the tensor cores' fp8 dot with fp32 sums
+    # (widened to fp32 products where the output is fp32: the CPU interpreter), both scales
+    # applied to the sums, the arithmetic of torch._scaled_mm with row-wise scales.
     tile, split = tl.program_id(0), tl.program_id(1)
     n = tile * BN + tl.arange(0, BN)
     m = tl.arange(0, BM)
@@ -80,8 +80,8 @@ def _skinny_gemm_kernel(
             x = x_ptr.load([0, k0])
             if GATED:  # x holds [gate | up]
                 x = _silu_mul(x, up_ptr.load([0, k0]))
-            if FP8:
-                w, x = w.to(out_ptr.dtype.element_ty), x.to(out_ptr.dtype.element_ty)
+            if FP8 and IEEE:
+                w, x = w.to(tl.float32), x.to(tl.float32)
             acc = _dot(w, tl.trans(x), acc, IEEE)
     else:
         for k0 in range(lo, hi, BK):
@@ -91,8 +91,8 @@ def _skinny_gemm_kernel(
             else:
                 w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < hi)[None, :], other=0.0)
             x = _x_tile(x_cols, k, m_ok, hi, K, GATED, not EVEN_K)
-            if FP8:
-                w, x = w.to(out_ptr.dtype.element_ty), x.to(out_ptr.dtype.element_ty)
+            if FP8 and IEEE:
+                w, x = w.to(tl.float32), x.to(tl.float32)
             acc = _dot(w, x, acc, IEEE)
     if FP8:
         w_scale = tl.load(ws_ptr + n, mask=n_ok, other=0.0)
@@ -173,8 +173,8 @@ def skinny_gemm(
     per-thread loads (faster on the H200 at 1 to 16 rows, slower at 64: docs/perf-log/).
     `weight_scale`, `x_scale`: fp32, one per output row of `weight` and one per row of `x`,
     for float8 operands (W ~ weight * weight_scale, rows ~ x * x_scale): half the weight
-    bytes streamed; the output in `out_dtype` (bf16 on a GPU: the interpreter's bf16
-    products are wrong, so fp32 there)."""
+    bytes streamed; the output in `out_dtype` (bf16 on a GPU; fp32 widens the operands and
+    multiplies in fp32, for the CPU interpreter, whose bf16 and fp8 products are wrong)."""
     m, k = x.shape[0], weight.shape[1]
     n = weight.shape[0]
     if x.shape[1] != (2 * k if gated else k) or weight.stride(1) != 1 or x.stride(1) != 1:

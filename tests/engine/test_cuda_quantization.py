@@ -107,7 +107,7 @@ def test_a_warmed_fp8_decode_step_makes_no_implicit_host_sync(tiny_ckpt):
 def test_fp8_engine_on_cuda_matches_the_fake_quantized_reference(tiny_ckpt):
     """bf16 activations against the fp32 hooked reference: bf16's own error, plus the rare
     element a bf16 rounding moves across an e4m3 rounding boundary."""
-    engine = _engine(tiny_ckpt, enforce_eager=True, max_num_batched_tokens=16)
+    engine = _engine(tiny_ckpt, enforce_eager=True, max_num_seqs=8, max_num_batched_tokens=16)
     recorder = HiddenRecorder(engine)
     prompts, rows = run(engine, _requests())
     reference = _fake_quant_reference(tiny_ckpt, device="cuda")

@@ -138,7 +138,7 @@ def test_the_gpu_paths_in_the_triton_interpreter(tiny_ckpt, max_rows):
     CPU's dequantized one. Against the same hooked reference as the torch path."""
     import os
 
-    from engine.model import SkinnyGemmOps, TorchOps
+    from engine.model import TorchOps
     from engine.quantization import Fp8Ops
 
     if os.environ.get("TRITON_INTERPRET") != "1":
@@ -151,9 +151,8 @@ def test_the_gpu_paths_in_the_triton_interpreter(tiny_ckpt, max_rows):
         plan_overrides={"attention_backend": "triton"},
     )
     engine = Engine.from_pretrained(tiny_ckpt, cfg)
-    counters = torch.zeros(64, dtype=torch.int32)
-    base = SkinnyGemmOps(max_rows, counters) if max_rows else TorchOps
-    engine.model.ops = Fp8Ops(base, fused=True, dtype=torch.float32)
+    cpu = torch.device("cpu")
+    engine.model.ops = Fp8Ops(TorchOps, True, torch.float32, cpu, max_rows=max_rows)
     recorder = HiddenRecorder(engine)
     prompts, rows = run(engine, _requests())
     reference = _fake_quant_reference(tiny_ckpt)

@@ -1,0 +1,130 @@
+"""The Higgs v3 projections with FP8 weights at decode batch sizes, in CUDA graphs: cuBLAS in
+bf16 (what the engine runs without quantization), torch._scaled_mm with row-wise scales
+(fast accumulation off and on), our few-row GEMM over float8 operands (kernels/skinny_gemm.py,
+the engine's tiles with and without TMA, and the best of a small sweep), and the per-row
+activation quantization launch alone. Achieved weight bandwidth beside each.
+
+    python benchmarks/fp8_gemm.py [--batches 1,16,32,64,128] [--sweep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.gemm_shapes import COPIES, SHAPES, bench, graphed  # noqa: E402
+from engine.quantization import quantize_weight  # noqa: E402
+from kernels.fp8_quant import quantize_rows  # noqa: E402
+from kernels.skinny_gemm import skinny_gemm, skinny_tiles  # noqa: E402
+
+SWEEP = [  # (block_n, block_k, num_stages, num_warps, tma)
+    (64, 256, 4, 4, True),
+    (64, 512, 3, 4, True),
+    (128, 256, 3, 8, True),
+    (128, 128, 4, 4, True),
+    (64, 256, 4, 4, False),
+    (64, 512, 3, 4, False),
+    (128, 256, 3, 8, False),
+]
+
+
+def _checked(out, ref, label):
+    err = float((out.float() - ref).norm() / ref.norm())
+    if err > 1e-2:
+        raise AssertionError(f"{label}: rel err {err:.2e}")
+
+
+def _skinny(x8, xs, ws8, counters, kw, ref, label) -> float:
+    w8, wsc = ws8[0]
+    out = skinny_gemm(
+        x8, w8, counters, weight_scale=wsc, x_scale=xs, out_dtype=torch.bfloat16, **kw
+    )
+    _checked(out, ref, label)
+    scales = dict(x_scale=xs, out_dtype=torch.bfloat16)
+    return bench(
+        graphed(
+            lambda: [skinny_gemm(x8, w, counters, weight_scale=s, **scales, **kw) for w, s in ws8]
+        )
+    )
+
+
+def _sweep(x8, xs, ws8, counters, ref, m, n, k) -> tuple[float, str]:
+    best = (float("inf"), "")
+    for bn, bk, stages, warps, tma in SWEEP:
+        auto = skinny_tiles(m, n, k)["split"]
+        for split in sorted({max(1, auto // 2), max(1, auto), 2 * max(1, auto)}):
+            kw = dict(block_n=bn, block_k=bk, split=split, num_stages=stages, num_warps=warps)
+            kw["tma"] = tma
+            label = f"BN={bn} BK={bk} s={stages} w={warps} split={split}" + " tma" * tma
+            try:
+                best = min(best, (_skinny(x8, xs, ws8, counters, kw, ref, label), label))
+            except Exception as err:  # a setting that does not fit (shared memory): skipped
+                print(f"{label}: {type(err).__name__}: {str(err)[:100]}")
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", default="1,16,32,64,128")
+    ap.add_argument("--sweep", action="store_true", help="also a small sweep of our tiles")
+    args = ap.parse_args()
+    counters = torch.zeros(4096, dtype=torch.int32, device="cuda")
+    rows = []
+    for name, (n, k) in SHAPES.items():
+        if name == "audio_head":  # stays bf16
+            continue
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(COPIES)]
+        ws8 = [quantize_weight(w) for w in ws]
+        for m in (int(b) for b in args.batches.split(",")):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            x8, xs = quantize_rows(x)
+            ref = F.linear(x8.float() * xs, ws8[0][0].float() * ws8[0][1].t())
+            bf16 = bench(graphed(lambda x=x, ws=ws: [F.linear(x, w) for w in ws]))
+            scaled = []
+            for fast in (False, True):
+                out = torch._scaled_mm(
+                    x8, ws8[0][0].t(), xs, ws8[0][1], out_dtype=torch.bfloat16, use_fast_accum=fast
+                )
+                _checked(out, ref, f"_scaled_mm fast={fast}")
+                scaled.append(
+                    bench(
+                        graphed(
+                            lambda x8=x8, xs=xs, fast=fast, ws8=ws8: [
+                                torch._scaled_mm(
+                                    x8, w.t(), xs, s, out_dtype=torch.bfloat16, use_fast_accum=fast
+                                )
+                                for w, s in ws8
+                            ]
+                        )
+                    )
+                )
+            quant = bench(graphed(lambda x=x: [quantize_rows(x) for _ in range(COPIES)]))
+            ours = [float("nan")] * 2
+            best = (float("nan"), "")
+            if m <= 64:
+                for i, tma in enumerate((False, True)):
+                    kw = dict(skinny_tiles(m, n, k, tma), tma=tma)
+                    ours[i] = _skinny(x8, xs, ws8, counters, kw, ref, f"default tma={tma}")
+                if args.sweep:
+                    best = _sweep(x8, xs, ws8, counters, ref, m, n, k)
+            rows.append((name, m, n * k, bf16, *scaled, *ours, best, quant))
+        del ws, ws8
+    print(f"\nprojections in CUDA graphs, {torch.cuda.get_device_name()} (us; TB/s of weight)")
+    head = ("gemm", "M", "bf16", "TB/s", "smm", "TB/s", "smm fast", "ours", "TB/s", "ours tma")
+    print("{:<9}{:>5}{:>8}{:>6}{:>8}{:>6}{:>9}{:>8}{:>6}{:>9}{:>9}{:>8}  best".format(
+        *head, "best", "quant"))  # fmt: skip
+    for name, m, nk, bf16, smm, fast, ours, ours_tma, best, quant in rows:
+        print(
+            f"{name:<9}{m:>5}{bf16 * 1e3:>8.1f}{2 * nk / bf16 / 1e9:>6.2f}{smm * 1e3:>8.1f}"
+            f"{nk / smm / 1e9:>6.2f}{fast * 1e3:>9.1f}{ours * 1e3:>8.1f}{nk / ours / 1e9:>6.2f}"
+            f"{ours_tma * 1e3:>9.1f}{best[0] * 1e3:>9.1f}{quant * 1e3:>8.1f}  {best[1]}"
+        )
+
+
+if __name__ == "__main__":
+    main()
