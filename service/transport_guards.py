@@ -1,7 +1,7 @@
 """Guards below the ASGI app, where uvicorn offers none: a deadline for an HTTP request's head
 (uvicorn's keep-alive timer stops at a request's first byte and is not armed before the first
 request, so a client sending its headers a byte at a time, or nothing at all, held a
-connection forever), and a rate for WebSocket ping frames (answered by the protocol layer,
+connection forever) and for the rest of a body answered before it was read, and a rate for WebSocket ping frames (answered by the protocol layer,
 never seen by the app). Subclasses of uvicorn's h11 and websockets protocols (pinned by
 tests/service/test_slow_clients.py); what they guard is configured in service/config.py.
 """
@@ -47,43 +47,61 @@ def _timeout_response(timeout_s: float) -> bytes:
 
 
 class HeaderDeadline(H11Protocol):
-    """An HTTP connection whose next request's head has not arrived `header_timeout_s` after
-    the connection opened or the previous response ended is closed: with 408
-    `request_timeout` when part of a head came, silently when nothing did (an idle
-    keep-alive connection, as uvicorn's own keep-alive timer closes it)."""
+    """What an HTTP connection waits for from its client must come within `header_timeout_s`:
+    the next request's head (from the connection opening or the previous answer), else 408
+    `request_timeout` when part of a head came, a silent close when nothing did (an idle
+    keep-alive connection, as uvicorn's own keep-alive timer closes it); and the rest of a
+    body already answered (a 413 sent before a large body was read), else a close. While a
+    request is being served, service/http_api.py's read_body bounds its body."""
 
     header_timeout_s: float = 10.0
 
     def connection_made(self, transport) -> None:
+        self._timer, self._timer_phase = None, None
         super().connection_made(transport)
-        self._head_timer = self.loop.call_later(self.header_timeout_s, self._head_timed_out)
+        self._rearm()
 
     def handle_events(self) -> None:
         super().handle_events()
-        if self.conn.their_state is not h11.IDLE:  # the head arrived (or the socket failed)
-            self._cancel_head_timer()
+        self._rearm()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
-            self._cancel_head_timer()  # the next request's head, from now
-            self._head_timer = self.loop.call_later(self.header_timeout_s, self._head_timed_out)
+        self._rearm()
 
     def connection_lost(self, exc) -> None:
-        self._cancel_head_timer()
+        self._set_timer(None)
         super().connection_lost(exc)
 
-    def _cancel_head_timer(self) -> None:
-        timer, self._head_timer = getattr(self, "_head_timer", None), None
-        if timer is not None:
-            timer.cancel()
+    def _phase(self) -> str | None:
+        """ "head" (of the next request), "rest" (of a body answered early), or None (a
+        request is being served: no deadline here)."""
+        if self.conn.their_state is h11.IDLE:
+            return "head"
+        if self.conn.their_state is h11.SEND_BODY and self.conn.our_state is h11.DONE:
+            return "rest"
+        return None
 
-    def _head_timed_out(self) -> None:
-        self._head_timer = None
-        if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
+    def _rearm(self) -> None:
+        """A deadline per phase: it runs from the phase's start, not from the last byte."""
+        phase = None if self.transport.is_closing() else self._phase()
+        if phase != self._timer_phase:
+            self._set_timer(phase)
+
+    def _set_timer(self, phase: str | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_phase = phase
+        self._timer = None
+        if phase is not None:
+            self._timer = self.loop.call_later(self.header_timeout_s, self._deadline_passed)
+
+    def _deadline_passed(self) -> None:
+        self._timer = None
+        if self.transport.is_closing() or self._phase() != self._timer_phase:
             return
         partial, _ = self.conn.trailing_data  # bytes of a head that has not completed
-        if partial:
+        if self._timer_phase == "head" and partial:
             self.logger.info("closing a connection whose request head took too long")
             self.transport.write(_timeout_response(self.header_timeout_s))
         self.transport.close()

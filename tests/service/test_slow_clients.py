@@ -112,6 +112,31 @@ def test_a_body_that_stops_arriving_gets_408_and_the_connection_ends(srv, path):
     assert waited <= BODY_TIMEOUT_S + 15
 
 
+def test_a_body_trickled_after_its_answer_does_not_hold_the_connection(srv):
+    """A body refused before it was read (413: its length is over the limit) and then sent a
+    byte at a time: the connection is closed once the head deadline has passed again."""
+    with _socket(srv) as sock:
+        head = "POST /v1/tokens HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n"
+        sock.sendall(head.encode())
+        t0 = time.monotonic()
+        got = b""
+        for _ in range(300):  # a byte every 0.1 s: the body would take hours
+            if select.select([sock], [], [], 0.1)[0]:
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                got += chunk
+            try:
+                sock.sendall(b"x")
+            except (BrokenPipeError, ConnectionResetError):
+                break
+        else:
+            pytest.fail("the server kept reading a body it had answered")
+        waited = time.monotonic() - t0
+    assert got.startswith(b"HTTP/1.1 413 ")
+    assert HEADER_TIMEOUT_S * 0.8 <= waited <= HEADER_TIMEOUT_S + 15
+
+
 def test_a_body_trickled_within_the_deadline_is_read(srv):
     """The deadline bounds the whole body, not a fast one: a small body in a few pieces."""
     body = json.dumps({"ttl_s": 60}).encode()
