@@ -221,7 +221,7 @@ def _print_summary(summary: dict, tally, out) -> None:
         else:
             out(f"  {name:<18} {v['verdict']} ({v['samples']})")
     out("idle after the load: " + ("; ".join(summary["idle_problems"]) or "back to baseline"))
-    out(f"\n{summary['requests']} requests by scenario and outcome:")
+    out(f"\n{summary['requests']} requests (the warm-up's included) by scenario and outcome:")
     for row in report.outcome_table(tally.outcomes, tally.failures):
         out("  " + row)
     out("server counters vs client: " + ("; ".join(summary["reconcile_problems"]) or "agree"))

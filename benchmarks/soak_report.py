@@ -72,8 +72,8 @@ def growth(rows: list[dict]) -> dict[str, dict]:
         first, last = statistics.median(values[:third]), statistics.median(values[-third:])
         tolerance = max(absolute, relative * abs(first))
         verdicts[name] = {
-            "first": first,
-            "last": last,
+            "first": round(first, 1),
+            "last": round(last, 1),
             "change": round(last - first, 1),
             "tolerance": round(tolerance, 1),
             "verdict": "growing" if last - first > tolerance else "flat",

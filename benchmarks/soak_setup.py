@@ -94,7 +94,11 @@ async def warm_up(users: list[Client]) -> None:
                 await user.http.delete(f"/v1/voices/{created.json()['voice_id']}")
             else:
                 user.load.tally.fail("warm_up", f"registering a churn voice: {created.text}")
-        if user.conn is not None:  # the baseline is taken with no connection open
+        # The baseline is taken with no connection open: neither the WebSocket nor the
+        # HTTP client's kept-alive ones (each an open file of the server's).
+        if user.conn is not None:
             await user.conn.close()
+        await user.http.aclose()
+        user.http = httpx.AsyncClient(base_url=user.load.http_url, timeout=120)
 
     await asyncio.gather(*(one(user) for user in users))
