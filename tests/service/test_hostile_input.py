@@ -281,7 +281,7 @@ def test_encodes_queued_by_a_client_that_left_are_dropped(srv):
     worker = srv.services.worker
     wait_engine_idle(srv)
     before = worker.stats.num_voice_encodes
-    refs = [reference_audio(8.0, f0=90.0 + 7 * i) for i in range(8)]
+    refs = [reference_audio(12.0, f0=90.0 + 7 * i) for i in range(10)]  # each a long encode
 
     async def main():
         async with open_ws(srv.ws) as ws:
