@@ -288,12 +288,17 @@ def clients() -> list[dict]:
             [(summed("clonecast_errors_total", "code"), "{{code}}")],
         ),
         panel(
-            "Engine up and server restarts",
-            "1 while the engine (its process or thread) runs, 0 once it has exited; and server "
-            "processes started within the interval (a new start time per instance).",
+            "Engine up and restarts",
+            "1 while the engine (its process or thread) runs, 0 once it has exited; engines "
+            "started again by the server after one died; and server processes started within "
+            "the interval (a new start time per instance).",
             "none",
             [
                 (gauge("clonecast_engine_up", "min"), "engine up"),
+                (
+                    f"sum (increase(clonecast_engine_restarts_total{{{SEL}}}[$__rate_interval]))",
+                    "engine restarts",
+                ),
                 (
                     f"sum (changes(process_start_time_seconds{{{SEL}}}[$__rate_interval]))",
                     "server restarts",
