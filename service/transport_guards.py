@@ -1,9 +1,10 @@
 """Guards below the ASGI app, where uvicorn offers none: a deadline for an HTTP request's head
 (uvicorn's keep-alive timer stops at a request's first byte and is not armed before the first
 request, so a client sending its headers a byte at a time, or nothing at all, held a
-connection forever) and for the rest of a body answered before it was read, and a rate for WebSocket ping frames (answered by the protocol layer,
-never seen by the app). Subclasses of uvicorn's h11 and websockets protocols (pinned by
-tests/service/test_slow_clients.py); what they guard is configured in service/config.py.
+connection forever) and for the rest of a body answered before it was read; a rate for
+WebSocket ping frames (answered by the protocol layer, never seen by the app). Subclasses of
+uvicorn's h11 and websockets-sansio protocols (pinned by tests/service/test_slow_clients.py
+and test_ws_frames.py); what they guard is configured in service/config.py.
 """
 
 from __future__ import annotations
