@@ -125,7 +125,12 @@ class PingRate(WebSocketsSansIOProtocol):
             return
         if self.close_sent or self.transport.is_closing():
             return
-        self.conn.fail(CLOSE_POLICY, "rate_limited: too many pings")
+        reason = "rate_limited: too many pings"
+        self.conn.fail(CLOSE_POLICY, reason)
         self.transport.write(b"".join(self.conn.data_to_send()))
+        # the app learns why (its metrics count the close as rate_limited)
+        self.queue.put_nowait(
+            {"type": "websocket.disconnect", "code": CLOSE_POLICY, "reason": reason}
+        )
         self.close_sent = True
         self.transport.close()

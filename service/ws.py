@@ -75,7 +75,7 @@ async def stream_endpoint(ws: WebSocket) -> None:
         session.send_json(_ready_message(session, services))
         reason = await _receive_loop(ws, session, sender)
     except WebSocketDisconnect as exc:
-        reason = _close_reason(exc.code)
+        reason = _close_reason(exc.code, exc.reason)
     finally:
         services.metrics.closes.labels(reason).inc()
         session.close()
@@ -87,9 +87,12 @@ async def stream_endpoint(ws: WebSocket) -> None:
         services.metrics.connections.set(services.connections)
 
 
-def _close_reason(code: int | None) -> str:
-    """A close frame with 1000 (normal) or 1001 (going away) is the client closing; any other
-    code, or none (1005, 1006: no close frame), is a client lost."""
+def _close_reason(code: int | None, reason: str | None = None) -> str:
+    """A close frame with 1000 (normal) or 1001 (going away) is the client closing; 1008 with
+    a `rate_limited` reason the transport closing a ping flood (service/transport_guards.py);
+    any other code, or none (1005, 1006: no close frame), is a client lost."""
+    if code == CLOSE_POLICY and (reason or "").startswith("rate_limited"):
+        return "rate_limited"
     return "client_closed" if code in (1000, 1001) else "client_lost"
 
 
@@ -116,7 +119,7 @@ async def _receive_loop(ws: WebSocket, session: Session, sender: asyncio.Task) -
             return "idle_timeout"
         message, receive = receive.result(), None
         if message["type"] == "websocket.disconnect":
-            return _close_reason(message.get("code"))
+            return _close_reason(message.get("code"), message.get("reason"))
         wait = rate.take()
         if wait:
             refused += 1
