@@ -21,6 +21,7 @@ from .conftest import (
     expect_error,
     open_ws,
     recv_until,
+    reference_audio,
     run,
     scrape,
     speak,
@@ -169,6 +170,24 @@ def test_keys_from_a_key_file_are_known_by_name_and_the_admin_marker_counts(
     ops_done, refused = run(main())
     check_complete(ops_done)
     assert "'alice'" in refused["message"]  # the key's name, never the key
+    created = httpx.post(
+        server.http + "/v1/voices?transcript=Hello.",
+        content=reference_audio(),
+        headers={"X-API-Key": "alice-key"},
+        timeout=60,
+    )
+    assert created.status_code == 201, created.text
+    voice_id = created.json()["voice_id"]
+
+    def listed(key: str) -> list[str]:
+        r = httpx.get(server.http + "/v1/voices", headers={"X-API-Key": key}, timeout=30)
+        return [v["voice_id"] for v in r.json()["voices"]]
+
+    assert listed("alice-key") == [voice_id] and listed("ops-key") == [voice_id]  # an admin
+    r = httpx.delete(
+        server.http + f"/v1/voices/{voice_id}", headers={"X-API-Key": "ops-key"}, timeout=30
+    )
+    assert r.status_code == 204 and listed("alice-key") == []
     assert 'clonecast_key_audio_seconds_total{key="ops"}' in scrape(server)
 
 
