@@ -72,9 +72,9 @@ def test_serve_passes_the_kv_cache_dtype_and_refuses_unknown_ones(monkeypatch, c
     from types import SimpleNamespace
 
     import pytest
-    import uvicorn
 
     import service.app
+    import service.drain
     from service import cli
 
     seen = {}
@@ -85,7 +85,9 @@ def test_serve_passes_the_kv_cache_dtype_and_refuses_unknown_ones(monkeypatch, c
         return SimpleNamespace(state=SimpleNamespace(services=services))
 
     monkeypatch.setattr(service.app, "create_app", create_app)
-    monkeypatch.setattr(uvicorn, "Server", lambda config: SimpleNamespace(run=lambda: None))
+    monkeypatch.setattr(
+        service.drain, "DrainingServer", lambda config, services: SimpleNamespace(run=lambda: None)
+    )
     monkeypatch.setattr(cli, "_check_port", lambda host, port: None)
     monkeypatch.delenv("CLONECAST_KV_CACHE_DTYPE", raising=False)
     assert cli.main(["serve", "--device", "cpu", "--kv-cache-dtype", "fp8"]) == 0
