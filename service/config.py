@@ -226,6 +226,9 @@ VARIABLES = (
 )
 
 
+SECRETS = ("CLONECAST_API_KEYS", "CLONECAST_ADMIN_KEYS", "CLONECAST_TOKEN_SECRET")
+
+
 def config_file(path: Path) -> dict[str, str]:
     """A TOML file of settings under the environment variables' names (`CLONECAST_PORT =
     8800`; lists for the comma-separated ones, true/false for the flags), as strings the way
@@ -247,7 +250,8 @@ def config_file(path: Path) -> dict[str, str]:
         elif isinstance(value, dict) and name == "CLONECAST_PLAN":
             out[name] = json.dumps(value)
         else:
-            raise ValueError(f"--config {str(path)!r}: {name} cannot be {value!r}")
+            shown = "that" if name in SECRETS else repr(value)  # an error never shows a key
+            raise ValueError(f"--config {str(path)!r}: {name} cannot be {shown}")
     return out
 
 

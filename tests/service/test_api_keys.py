@@ -109,3 +109,16 @@ def test_key_new_prints_the_line_on_stdout_and_the_key_once_on_stderr(tmp_path):
     assert r.returncode == 0 and r.stdout == f"legacy {_hex('k1')} admin\n" and r.stderr == ""
     r = _cli("new", "no/slash")
     assert r.returncode == 2 and r.stderr.startswith("error: ") and r.stdout == ""
+
+
+def test_a_bad_secret_in_a_config_file_is_named_but_never_shown(tmp_path):
+    from service.config import config_file
+
+    path = tmp_path / "clonecast.toml"
+    path.write_text('CLONECAST_API_KEYS = ["conf-secret-1", 2]\n')
+    with pytest.raises(ValueError, match="CLONECAST_API_KEYS") as info:
+        config_file(path)
+    assert "conf-secret-1" not in str(info.value)
+    path.write_text("CLONECAST_PORT = {x = 1}\n")  # not a secret: shown, as before
+    with pytest.raises(ValueError, match=r"\{'x': 1\}"):
+        config_file(path)
