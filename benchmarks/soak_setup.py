@@ -78,14 +78,14 @@ async def clients_for(
 
 
 async def warm_up(users: list[Client]) -> None:
-    """Every scenario once per client (the clients at once), then each churn recording
-    encoded once more (registered and deleted over HTTP), so the voice cache holds every
-    recording of the run before the baseline."""
+    """Every scenario once per client (the clients at once), then each churn and inline
+    recording encoded once more (registered and deleted over HTTP), so the voice cache holds
+    every recording of the run before the baseline."""
 
     async def one(user: Client) -> None:
         for name, (scenario, _) in scenarios().items():
             await run_one(user, name, scenario)
-        for audio, transcript in user.churn:
+        for audio, transcript in user.churn + (user.load.inline if user.index == 0 else []):
             b64 = base64.b64encode(audio).decode()
             created = await user.http.post(
                 "/v1/voices", json={"audio_b64": b64, "transcript": transcript}
