@@ -129,4 +129,37 @@ MUTANTS = (
         ("tests/engine/test_parity.py::test_prefix_cache_hit[torch]",),
         "a prefix-cache hit maps every cached block to the first one",
     ),
+    Mutant(
+        "message-rate-ignored",
+        "service/ws.py",
+        "wait = rate.take()",
+        "wait = 0.0",
+        (
+            "tests/service/test_ws_frames.py::"
+            "test_messages_over_the_rate_are_refused_with_rate_limited_then_served_again",
+        ),
+        "a client floods a connection with as many messages as it can send",
+    ),
+    Mutant(
+        "http-deadline-never-armed",
+        "service/transport_guards.py",
+        "        if phase != self._timer_phase:\n",
+        "        if False:\n",
+        (
+            "tests/service/test_slow_clients.py::"
+            "test_a_head_sent_a_byte_at_a_time_gets_408_and_others_are_served",
+        ),
+        "a client sending its headers a byte at a time holds a connection forever",
+    ),
+    Mutant(
+        "unflushed-append-keeps-connection",
+        "service/ws.py",
+        "if any(not u.waiting_for_text for u in session.utterances.values()):",
+        "if session.utterances:",
+        (
+            "tests/service/test_ws_limits.py::"
+            "test_an_append_waiting_for_more_text_does_not_keep_the_connection_open",
+        ),
+        "an append never flushed keeps a silent connection open forever",
+    ),
 )
