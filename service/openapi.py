@@ -14,15 +14,19 @@ ERROR = {"$ref": "#/components/schemas/Error"}
 
 def _errors(*statuses: int) -> dict:
     """The error answers of `statuses`; 401 brings 403: an endpoint that takes a key also
-    checks the browser origin."""
+    checks the browser origin; 413 brings 408: an endpoint that reads a body bounds how long
+    it may take to arrive."""
     if 401 in statuses:
         statuses = tuple(sorted({*statuses, 403}))
+    if 413 in statuses:
+        statuses = tuple(sorted({*statuses, 408}))
     meaning = {
         400: "bad input (the code says which)",
         401: "a valid API key is required",
         403: "forbidden_origin: a browser Origin not in CLONECAST_ALLOWED_ORIGINS",
         429: "rate_limited: the key is over a per-key limit (Retry-After says when to retry)",
         404: "no such voice (or another key's)",
+        408: "request_timeout: the body did not arrive within CLONECAST_BODY_TIMEOUT_S",
         409: "a voice name already taken",
         413: "the body is too large",
         503: "not ready, or over capacity: retry",
