@@ -115,5 +115,9 @@ def test_a_short_soak_leaks_nothing(model_cache):
     baseline, idle = rows[0], rows[-1]
     assert idle["kv_blocks_used"] == 0 and idle["engine_running"] == 0, log
     assert len({row["engine_pid"] for row in rows}) == 1, log  # one engine the whole run
+    # the warm-up encoded every recording of the run (a refused one is never cached): the
+    # voice cache (clonecast_voice_cache_bytes) holds them and grows no further
+    assert baseline["voice_cache_bytes"] > 0, log
+    assert idle["voice_cache_bytes"] == baseline["voice_cache_bytes"], log
     for name, slack in report.IDLE_SLACK.items():
         assert idle[name] <= baseline[name] + slack, (name, log)
