@@ -138,9 +138,15 @@ async def _settle(probe: Probe, baseline: dict | None, requests: int, settle_s: 
 
 
 async def _sampler(probe: Probe, load, rows: list, every_s: float, out) -> None:
+    """A sample every `every_s`; one that fails (the server gone, /metrics not answering)
+    fails the run."""
     while True:
         await asyncio.sleep(every_s)
-        row = (await asyncio.to_thread(probe.sample, "load", load.tally.requests)).row()
+        try:
+            row = (await asyncio.to_thread(probe.sample, "load", load.tally.requests)).row()
+        except (OSError, KeyError, ValueError) as e:
+            load.tally.fail("sampler", f"no sample: {type(e).__name__}: {e}")
+            continue
         rows.append(row)
         out(report.line(row))
 
