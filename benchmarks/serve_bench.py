@@ -506,11 +506,19 @@ def main() -> None:
     ap.add_argument("--eager-requests", type=int, default=0, help="timed requests of the eager run")
     ap.add_argument("--fresh-server", action="store_true", help="a new server process per start")
     ap.add_argument(
+        "--quantization",
+        choices=("none", "fp8"),
+        default="none",
+        help="the servers' CLONECAST_QUANTIZATION (fp8: float8 projection weights, lossy)",
+    )
+    ap.add_argument(
         "--sim",
         help="run benchmarks/sim_server.py with these arguments instead (GPU work simulated)",
     )
     ap.add_argument("--out", default=os.environ.get("OUT", "out/bench"))
     args = ap.parse_args()
+    if args.quantization != "none":  # every server this run starts inherits it
+        os.environ["CLONECAST_QUANTIZATION"] = args.quantization
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.write_full:

@@ -45,8 +45,8 @@ def quantize_rows(x: torch.Tensor) -> QuantizedRows:
     """Per-token dynamic scales: each row's absolute maximum maps to 448 (the torch version of
     kernels/fp8_quant.py's `quantize_rows`, which rounds the same way)."""
     xf = x.float()
-    scale = xf.abs().amax(-1, keepdim=True).clamp(min=MIN_AMAX) / FP8_MAX
-    return QuantizedRows((xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale)
+    amax = xf.abs().amax(-1, keepdim=True).clamp(min=MIN_AMAX)
+    return QuantizedRows((xf * (FP8_MAX / amax)).clamp(-FP8_MAX, FP8_MAX).to(FP8), amax / FP8_MAX)
 
 
 class Fp8Linear(nn.Module):

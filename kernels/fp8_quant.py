@@ -1,6 +1,6 @@
 """Per-row (per-token) dynamic float8 quantization of a projection's input, in one launch:
 each row's absolute maximum sets its scale (amax / 448, the e4m3 maximum) and the row is
-stored as `round(x / scale)` in float8 e4m3, ready for a row-wise scaled fp8 matmul.
+stored as `round(x * (448 / amax))` in float8 e4m3, ready for a row-wise scaled fp8 matmul.
 
 `quantize_row` is the shared device function: kernels that produce a projection's input (the
 residual add + RMSNorm in norm_rope.py) call it on their output tile, so the input is
@@ -9,6 +9,8 @@ reference is `quantize_rows_reference`.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -42,34 +44,73 @@ def round_to_e4m3(v):
 
 
 @triton.jit
-def quantize_row(y, mask, q_ptr, scale_ptr):
-    """Stores row `y` (fp32 `[BLOCK]`, already rounded to the model dtype; lanes outside
-    `mask` ignored) as float8 at `q_ptr + lane` and its scale at `scale_ptr`. The quotient is
-    rounded division (`div_rn`), as torch divides, so both round to the same float8 value."""
-    amax = tl.max(tl.where(mask, tl.abs(y), 0.0), 0)
-    scale = tl.maximum(amax, 1e-12) / 448.0
-    q = round_to_e4m3(tl.clamp(tl.math.div_rn(y, scale), -448.0, 448.0))
+def fp8_scales(amax):
+    """(scale, 1 / scale) of a row of absolute maximum `amax`, both rounded divisions as
+    torch divides (Triton's own `/` is approximate), so the reference gets the same bits."""
+    amax = tl.maximum(amax, 1e-12)
+    return tl.math.div_rn(amax, 448.0), tl.math.div_rn(448.0, amax)
+
+
+@triton.jit
+def store_fp8(y, mask, q_ptr, inverse, SOFT_ROUND: tl.constexpr):
+    """Stores `y * inverse` (fp32 `[BLOCK]`, clamped to +-448) as float8 at `q_ptr + lane`.
+    SOFT_ROUND (the interpreter): rounded by `round_to_e4m3`; on a GPU the cast itself
+    (cvt.rn.satfinite) rounds the same way."""
+    q = tl.clamp(y * inverse, -448.0, 448.0)
+    if SOFT_ROUND:
+        q = round_to_e4m3(q)
     tl.store(q_ptr + tl.arange(0, y.shape[0]), q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def quantize_row(y, mask, q_ptr, scale_ptr, SOFT_ROUND: tl.constexpr):
+    """Stores a whole row `y` (fp32 `[BLOCK]`, already rounded to the model dtype; lanes
+    outside `mask` ignored) as float8 at `q_ptr + lane`, its scale at `scale_ptr`."""
+    scale, inverse = fp8_scales(tl.max(tl.where(mask, tl.abs(y), 0.0), 0))
+    store_fp8(y, mask, q_ptr, inverse, SOFT_ROUND)
     tl.store(scale_ptr, scale)
+
+
+@triton.jit
+def _row_chunk(x_ptr, cols, K, GATED: tl.constexpr):
+    """Columns `cols` of a row at `x_ptr` as fp32 (masked past K); with GATED, of silu(gate)
+    * up of `[gate | up]`, rounded where norm_rope.silu_mul rounds."""
+    mask = cols < K
+    dtype = x_ptr.dtype.element_ty
+    x = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if GATED:
+        up = tl.load(x_ptr + K + cols, mask=mask, other=0.0).to(tl.float32)
+        act = (x / (1.0 + tl.exp(-x))).to(dtype).to(tl.float32)
+        x = (act * up).to(dtype).to(tl.float32)
+    return x, mask
 
 
 @triton.jit
 def _quantize_rows_kernel(
     x_ptr, q_ptr, scale_ptr, K, stride_x, GATED: tl.constexpr, BLOCK: tl.constexpr,
-    PDL: tl.constexpr,
+    SOFT_ROUND: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    # One program per row; the whole row stays in registers (K up to the MLP's 9,728).
+    # One program per row, in chunks of BLOCK columns: the absolute maximum over the row,
+    # then the chunks again (from the cache) quantized. Holding a whole row of the MLP's
+    # 9,728 columns in registers spilled them (32 us a launch at 64 rows on the H200).
     pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < K
-    dtype = x_ptr.dtype.element_ty
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    if GATED:  # x is [gate | up]: silu(gate) * up, rounded where norm_rope.silu_mul rounds
-        up = tl.load(x_ptr + row * stride_x + K + cols, mask=mask, other=0.0).to(tl.float32)
-        act = (x / (1.0 + tl.exp(-x))).to(dtype).to(tl.float32)
-        x = (act * up).to(dtype).to(tl.float32)
-    quantize_row(x, mask, q_ptr + row * K, scale_ptr + row)
+    x_row = x_ptr + row * stride_x
+    amax = 0.0
+    for k0 in range(0, K, BLOCK):
+        x, mask = _row_chunk(x_row, k0 + tl.arange(0, BLOCK), K, GATED)
+        amax = tl.maximum(amax, tl.max(tl.where(mask, tl.abs(x), 0.0), 0))
+    scale, inverse = fp8_scales(amax)
+    for k0 in range(0, K, BLOCK):
+        x, mask = _row_chunk(x_row, k0 + tl.arange(0, BLOCK), K, GATED)
+        store_fp8(x, mask, q_ptr + row * K + k0, inverse, SOFT_ROUND)
+    tl.store(scale_ptr + row, scale)
+
+
+def soft_round() -> bool:
+    """Whether kernels round to e4m3 themselves: under the CPU interpreter (see
+    `round_to_e4m3`)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def quantize_rows(x: torch.Tensor, gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,7 +122,6 @@ def quantize_rows(x: torch.Tensor, gated: bool = False) -> tuple[torch.Tensor, t
         raise ValueError(f"quantize_rows needs contiguous rows, got strides {x.stride()}")
     q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
-    block = triton.next_power_of_2(k)
     _quantize_rows_kernel[(m,)](
         x,
         q,
@@ -89,8 +129,9 @@ def quantize_rows(x: torch.Tensor, gated: bool = False) -> tuple[torch.Tensor, t
         k,
         x.stride(0),
         GATED=gated,
-        BLOCK=block,
-        num_warps=max(4, min(16, block // 512)),
+        BLOCK=min(1024, triton.next_power_of_2(k)),
+        SOFT_ROUND=soft_round(),
+        num_warps=4,
         **pdl_launch(),
     )
     return q, scale
@@ -101,6 +142,6 @@ def quantize_rows_reference(x: torch.Tensor, gated: bool = False):
         gate, up = x.chunk(2, dim=-1)
         x = torch.nn.functional.silu(gate) * up
     xf = x.float()
-    scale = xf.abs().amax(-1, keepdim=True).clamp(min=MIN_AMAX) / FP8_MAX
-    q = (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q, scale
+    amax = xf.abs().amax(-1, keepdim=True).clamp(min=MIN_AMAX)
+    q = (xf * (FP8_MAX / amax)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, amax / FP8_MAX

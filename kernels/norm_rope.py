@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8_quant import quantize_row
+from kernels.fp8_quant import quantize_row, soft_round
 from kernels.kv_store import to_cache
 from kernels.launch import pdl_enter, pdl_launch
 
@@ -31,6 +31,7 @@ def _add_rms_norm_kernel(
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     QUANT: tl.constexpr,
+    SOFT_ROUND: tl.constexpr,
     PDL: tl.constexpr,
 ):
     # QUANT: out_ptr is float8 and the normed row (rounded to x's dtype first, as the
@@ -51,7 +52,7 @@ def _add_rms_norm_kernel(
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     y = (w * normed).to(dtype)
     if QUANT:
-        quantize_row(y.to(tl.float32), mask, out_ptr + row * H, scale_ptr + row)
+        quantize_row(y.to(tl.float32), mask, out_ptr + row * H, scale_ptr + row, SOFT_ROUND)
     else:
         tl.store(out_ptr + row * H + cols, y, mask=mask)
 
@@ -70,6 +71,8 @@ def _launch_add_rms_norm(x, residual, weight, eps, out, scale):
         BLOCK=triton.next_power_of_2(x.shape[-1]),
         HAS_RESIDUAL=residual is not None,
         QUANT=scale is not None,
+        SOFT_ROUND=soft_round(),
+        num_warps=8 if scale is not None else 4,  # the quantized row's temporaries: no spills
         **pdl_launch(),
     )
     return total

@@ -1,7 +1,9 @@
 """On an NVIDIA GPU: FP8 weights (`quantization="fp8"`). Every graph replay equals its eager
-twin, a warmed decode step makes no host sync, the engine matches the fake-quantized
-transformers reference, and on the full-size random checkpoint its error against fp32 is
-measured next to bf16's (printed) and bounded."""
+twin, graphs give the eager rows, a warmed decode step makes no host sync, and on the
+full-size random checkpoint the error against fp32 is measured (printed) and bounded. (The
+tiny model against the fake-quantized transformers reference runs on the CPU, through the
+GPU kernels too, in tests/engine/test_quantization.py: in bf16 here, bf16 rounding moves
+enough elements across e4m3 rounding boundaries to hide a wiring error.)"""
 
 from __future__ import annotations
 
@@ -10,10 +12,8 @@ import torch
 
 from engine import Engine, EngineConfig, SamplingParams
 from engine.quantization import Fp8Linear, Fp8Ops
-from tests.engine.parity import HiddenRecorder, check_all_chunks
 from tests.engine.test_cuda_parity import _factory, _scenarios, full_ckpt  # noqa: F401
-from tests.engine.test_parity import make_reference, run
-from tests.engine.test_quantization import _fake_quant_reference, _requests
+from tests.engine.test_parity import make_reference
 
 pytestmark = pytest.mark.cuda
 FP8_TOL = 0.25  # measured 2026-12-02 on the full-size random checkpoint: docs/PERFORMANCE.md
@@ -102,18 +102,6 @@ def test_a_warmed_fp8_decode_step_makes_no_implicit_host_sync(tiny_ckpt):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert len(outputs) == 8
-
-
-def test_fp8_engine_on_cuda_matches_the_fake_quantized_reference(tiny_ckpt):
-    """bf16 activations against the fp32 hooked reference: bf16's own error, plus the rare
-    element a bf16 rounding moves across an e4m3 rounding boundary."""
-    engine = _engine(tiny_ckpt, enforce_eager=True, max_num_seqs=8, max_num_batched_tokens=16)
-    recorder = HiddenRecorder(engine)
-    prompts, rows = run(engine, _requests())
-    reference = _fake_quant_reference(tiny_ckpt, device="cuda")
-    h, logits, checked = check_all_chunks(engine, recorder, reference, prompts, rows, tol=5e-2)
-    print(f"tiny fp8 (bf16) vs fake-quantized fp32: hidden {h:.2e}, logits {logits:.2e}")
-    assert checked > 10
 
 
 def test_fp8_weights_parity_full_size_checkpoint(full_ckpt):  # noqa: F811
