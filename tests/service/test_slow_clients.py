@@ -180,3 +180,12 @@ def test_many_idle_connections_are_closed_and_others_served_meanwhile(srv):
         sock.close()
     assert time.monotonic() - t0 <= 30
     _served(srv)
+
+
+def test_a_head_too_large_to_hold_is_refused_at_once(srv):
+    """A head that grows past h11's 16 KiB (headers without an end) is answered 400 before
+    its deadline: the server never buffers an endless head."""
+    with _socket(srv) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 20_000)
+        response = _read_to_close(sock)
+    assert response.startswith(b"HTTP/1.1 400 "), response[:200]  # for its size, not a 408
