@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import sqlite3
 import sys
 import time
 from pathlib import Path
@@ -56,7 +55,7 @@ from service.origin_check import OriginCheck
 from service.speech_api import speech
 from service.tokens import TokenIssuer
 from service.transport_guards import guarded_protocols
-from service.voice_db import VoiceDatabase
+from service.voice_db import open_voice_database
 from service.voices import Voice, VoiceStore, check_name, voice_id_for
 from service.web_files import WEB_DIR, WebMount
 from service.ws import stream_endpoint
@@ -102,12 +101,8 @@ class Services:
         self.started = int(time.time())  # when this server started (GET /v1/models)
 
     def start(self) -> None:
-        if self.settings.voice_store is not None:
-            try:
-                db = VoiceDatabase(self.settings.voice_store)
-            except (OSError, sqlite3.Error) as exc:
-                path = str(self.settings.voice_store)
-                raise ConfigError(f"the voice store {path!r} cannot be opened: {exc}") from exc
+        if self.settings.voice_store is not None:  # ConfigError: one line naming it
+            db = open_voice_database(self.settings.voice_store)
             self.voices = VoiceStore(self.settings.limits.max_voices, db)
         self.start_engine()
 

@@ -35,8 +35,10 @@ variables (all named CLONECAST_*).
 |  | prefix (a voice used again); 0: every prompt computed in full (a worst-case measure) |
 | CLONECAST_PLAN | a JSON object of execution-plan overrides (engine/plan.py's fields), e.g. |
 |  | `{"graph_buckets": [1, 2, 4, 8]}`: how the engine runs, never what it computes |
-| CLONECAST_VOICE_STORE | the SQLite file registered voices persist in (unset: voices.sqlite3 in |
-|  | the cache dir, ~/.cache/clonecast; `memory`: none, lost at exit) |
+| CLONECAST_VOICE_STORE | where registered voices persist: a SQLite file (unset: voices.sqlite3 |
+|  | in the cache dir, ~/.cache/clonecast), or a `postgresql://USER:PASSWORD@HOST/DB` URL that |
+|  | several servers share (a voice created through one is usable through all); `memory`: |
+|  | none, lost at exit |
 | CLONECAST_VOICES_DIR | voices to register at start: NAME.wav (or .flac, .ogg, .mp3) with |
 |  | NAME.txt beside it for its transcript; each usable as `NAME` |
 | CLONECAST_GIL_SWITCH_MS | thread switch interval once ready, ms (0.5; Python's own: 5) |
@@ -127,7 +129,9 @@ class ServiceSettings:
     quantization: str = "none"  # EngineConfig.quantization (fp8 weights: opt-in, lossy)
     prefix_caching: bool = True  # EngineConfig.enable_prefix_caching
     plan: dict = field(default_factory=dict)  # ExecutionPlan overrides (checked by the engine)
-    voice_store: Path | None = None  # SQLite file of registered voices; None: memory only
+    # registered voices: a SQLite file, a postgresql:// URL (str; its password: never in a log)
+    # or None: memory only
+    voice_store: Path | str | None = field(default=None, repr=False)
     voices_dir: Path | None = None  # voices registered at start (NAME.wav + NAME.txt)
     gil_switch_ms: float = 0.5
     log_format: str = "plain"  # of the per-utterance log line: plain or json
@@ -340,10 +344,17 @@ def _profile(value: str | None) -> tuple[int, int, str, str, int] | None:
     return skip, steps, path, mode, min_running
 
 
-def _voice_store(env) -> Path | None:
+def _voice_store(env) -> Path | str | None:
     value = env.get("CLONECAST_VOICE_STORE")
     if value == "memory":
         return None
+    if value and value.startswith(("postgresql://", "postgres://")):
+        return value  # a shared database's URL (service/voice_db_postgres.py)
+    if value and "://" in value:
+        raise ValueError(
+            "CLONECAST_VOICE_STORE is a file path, `memory` or a postgresql:// URL; "
+            f"{value.split('://')[0]}:// is not supported"
+        )
     if value:
         return Path(value)
     cache = Path(env["CLONECAST_CACHE_DIR"]) if env.get("CLONECAST_CACHE_DIR") else None

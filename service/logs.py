@@ -6,8 +6,9 @@ no handler, formatter or later configuration can print one.
 
 What counts as a secret: the values of the query parameters api_key, token, access_token and
 key (also percent-encoded, as Starlette would decode them), of the Authorization,
-Proxy-Authorization and X-API-Key headers, a `bearer.KEY` subprotocol and a browser token
-(`cct1.<claims>.<signature>`) anywhere."""
+Proxy-Authorization and X-API-Key headers, a `bearer.KEY` subprotocol, a browser token
+(`cct1.<claims>.<signature>`) anywhere, and the password of a URL (`postgresql://USER:PASSWORD@`,
+a `password=` parameter: a shared voice store's)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import re
 from urllib.parse import unquote_plus
 
 REDACTED = "[redacted]"
-SECRET_PARAMS = {"api_key", "token", "access_token", "key"}
+SECRET_PARAMS = {"api_key", "token", "access_token", "key", "password"}
 _PARAM = re.compile(r"(?<![\w%.-])([\w%.-]+)=(\[redacted\]|[^&\s\"'<>,;)\]}]*)")
 _HEADER = re.compile(
     r"(?i)\b(authorization|proxy-authorization|x-api-key)(['\"]?\s*[:=,]\s*(?-i:b)?['\"]?)"
@@ -25,6 +26,7 @@ _HEADER = re.compile(
 )
 _SUBPROTOCOL = re.compile(r"(?i)\bbearer\.[^\s,'\"]+")
 _TOKEN = re.compile(r"\bcct1\.[\w-]+\.[\w-]+")
+_URL_PASSWORD = re.compile(r"(\b[A-Za-z][\w+.-]*://[^/\s:@]*:)([^@\s/]+)@")
 
 
 def redact(text: str) -> str:
@@ -34,6 +36,8 @@ def redact(text: str) -> str:
         text = _PARAM.sub(_param, text)
     text = _HEADER.sub(lambda m: m[1] + m[2] + REDACTED if m[3] else m[0], text)
     text = _SUBPROTOCOL.sub("bearer." + REDACTED, text)
+    if "://" in text:
+        text = _URL_PASSWORD.sub(lambda m: m[1] + REDACTED + "@", text)
     return _TOKEN.sub("cct1." + REDACTED, text)
 
 

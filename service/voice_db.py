@@ -1,56 +1,49 @@
-"""Where registered voices persist across restarts: one SQLite file (the standard library's
-sqlite3), one row per voice with its metadata and its reference codes as little-endian int16
-rows of 8 (never a pickle). Thread-safe (one connection behind a lock); the file is in WAL
-mode, so a crash loses at most the voice being written."""
+"""What a voice database is, whichever holds it: the interface `VoiceStore` writes kept voices
+through (`VoiceDatabase`), its row, its errors, how codes are stored (little-endian int16, rows
+of 8, never a pickle) and the one function that opens the database a setting names: a file
+path for the embedded SQLite (service/voice_db_sqlite.py), a `postgresql://` URL for a
+PostgreSQL database that several servers share (service/voice_db_postgres.py). It knows
+nothing of owners' rights or of caching: service/voices.py owns those."""
 
 from __future__ import annotations
 
-import contextlib
-import sqlite3
-import threading
 from pathlib import Path
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
-from engine import NUM_CODEBOOKS, VoiceReference
+from engine import NUM_CODEBOOKS, ConfigError, VoiceReference
 
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS voices (
-    voice_id TEXT PRIMARY KEY,
-    owner TEXT,
-    name TEXT,
-    transcript TEXT,
-    frames INTEGER NOT NULL,
-    codes BLOB NOT NULL,
-    created_at REAL NOT NULL,
-    UNIQUE (owner, name)
-)
-"""
+URL_SCHEMES = ("postgresql://", "postgres://")
 
 
 class StoreWriteError(Exception):
-    """A voice could not be written or deleted (the disk is full, the file is read-only):
-    the store's own wording, the same for every backend."""
+    """A voice could not be written or deleted (the disk is full, the file is read-only, the
+    database is unreachable): the store's own wording, the same for every backend."""
 
 
-class VoiceDatabase:
-    def __init__(self, path: Path):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.path = path
-        self._lock = threading.Lock()
-        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        columns = {row[1] for row in self._db.execute("PRAGMA table_info(voices)")}
-        if columns and "owner" not in columns:  # the first layout (no owners): rebuilt
-            self._db.execute("ALTER TABLE voices RENAME TO voices_v0")
-            self._db.execute(SCHEMA)
-            self._db.execute(
-                "INSERT INTO voices SELECT voice_id, NULL, name, transcript, frames, codes, "
-                "created_at FROM voices_v0"
-            )
-            self._db.execute("DROP TABLE voices_v0")
-        self._db.execute(SCHEMA)
+class StoreReadError(Exception):
+    """The database could not be read (a shared database that is unreachable)."""
+
+
+class NameTaken(Exception):
+    """The database's UNIQUE (owner, name) refused a write: another voice holds the name
+    (written by another server sharing the database)."""
+
+
+class VoiceRow(NamedTuple):
+    voice_id: str
+    owner: str | None
+    name: str | None
+    reference: VoiceReference
+    created_at: float
+
+
+class VoiceDatabase(Protocol):
+    """Kept voices by voice_id, with (owner, name) unique. `shared`: other servers write it
+    too, so a server's memory is only a cache of it (service/voices.py)."""
+
+    shared: bool
 
     def save(
         self,
@@ -60,39 +53,44 @@ class VoiceDatabase:
         reference: VoiceReference,
         created: float,
     ) -> None:
-        codes = np.asarray(reference.codes, dtype="<i2")
-        with self._lock, _writing():
-            self._db.execute(
-                "INSERT OR REPLACE INTO voices VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (voice_id, owner, name, reference.text, len(codes), codes.tobytes(), created),
-            )
+        """Inserts, or sets the name of an existing row; NameTaken, StoreWriteError."""
 
-    def delete(self, voice_id: str) -> None:
-        with self._lock, _writing():
-            self._db.execute("DELETE FROM voices WHERE voice_id = ?", (voice_id,))
+    def delete(self, voice_id: str) -> None: ...
 
-    def load(self) -> list[tuple[str, str | None, str | None, VoiceReference, float]]:
-        """Every stored voice, oldest first: (voice_id, owner, name, reference, created_at)."""
-        with self._lock:
-            rows = self._db.execute(
-                "SELECT voice_id, owner, name, transcript, frames, codes, created_at FROM voices "
-                "ORDER BY created_at"
-            ).fetchall()
-        out = []
-        for voice_id, owner, name, transcript, frames, blob, created in rows:
-            codes = np.frombuffer(blob, "<i2").reshape(frames, NUM_CODEBOOKS)
-            rows_ = tuple(tuple(int(c) for c in row) for row in codes)
-            out.append((voice_id, owner, name, VoiceReference(rows_, transcript), created))
-        return out
+    def load(self) -> list[VoiceRow]:
+        """Every stored voice, oldest first."""
 
-    def close(self) -> None:
-        with self._lock:
-            self._db.close()
+    def matching(self, key: str) -> list[VoiceRow]:
+        """The rows whose voice_id or name is `key` (a name may be several owners')."""
+
+    def count(self) -> int: ...
+
+    def close(self) -> None: ...
 
 
-@contextlib.contextmanager
-def _writing():
+def open_voice_database(setting: str | Path) -> VoiceDatabase:
+    """The database CLONECAST_VOICE_STORE names; ConfigError in one line (naming the file, or
+    the URL's host and database, never its password) when it cannot be opened."""
+    if isinstance(setting, str) and setting.startswith(URL_SCHEMES):
+        from service.voice_db_postgres import PostgresVoiceDatabase  # psycopg: only when used
+
+        return PostgresVoiceDatabase(setting)
+    from service.voice_db_sqlite import SqliteVoiceDatabase
+
+    path = Path(setting)
     try:
-        yield
-    except sqlite3.Error as exc:  # e.g. "database or disk is full"
-        raise StoreWriteError(f"the voice store could not be written: {exc}") from exc
+        return SqliteVoiceDatabase(path)
+    except Exception as exc:  # OSError, sqlite3.Error
+        raise ConfigError(f"the voice store {str(path)!r} cannot be opened: {exc}") from exc
+
+
+def codes_bytes(reference: VoiceReference) -> tuple[int, bytes]:
+    """(frames, the codes as little-endian int16 bytes, 8 a frame)."""
+    codes = np.asarray(reference.codes, dtype="<i2")  # [frames, 8]
+    return len(codes), codes.tobytes()
+
+
+def row_of(voice_id, owner, name, transcript, frames, blob, created) -> VoiceRow:
+    codes = np.frombuffer(bytes(blob), "<i2").reshape(frames, NUM_CODEBOOKS)
+    rows = tuple(tuple(int(c) for c in frame) for frame in codes)
+    return VoiceRow(voice_id, owner, name, VoiceReference(rows, transcript), float(created))

@@ -59,3 +59,14 @@ def _interpreter_decode_splits():
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory):
     return write_checkpoint(tmp_path_factory.mktemp("tiny-ckpt"), TEST_TEXT_CONFIG, seed=7)
+
+
+@pytest.fixture(scope="session")
+def postgres():
+    """A real PostgreSQL on loopback for the whole run (tests/postgres_server.py); each test
+    takes a database of its own with `postgres.new_database()`. Skips without the binaries."""
+    from tests.postgres_server import PostgresServer
+
+    server = PostgresServer()
+    yield server
+    server.stop()

@@ -28,6 +28,9 @@ from service.logs import REDACTED, log_config, redact, redact_secrets
         ("[(b'authorization', b'Bearer tuple-secret'), (b'host', b'x')]", "tuple-secret"),
         ("[(b'x-api-key', b'tuple-x-secret')]", "tuple-x-secret"),
         ("the token cct1.eyJleHAiOjF9.c2lnbmF0dXJl was refused", "eyJleHAiOjF9"),
+        ("CLONECAST_VOICE_STORE=postgresql://cc:pg-pass@db:5432/voices", "pg-pass"),
+        ("postgres://cc@db/voices?sslmode=require&password=pg-query", "pg-query"),
+        ("conninfo dbname=voices password=pg-kw host=db", "pg-kw"),
     ],
 )
 def test_keys_and_tokens_are_redacted_wherever_they_appear(line, secret):
@@ -42,6 +45,7 @@ def test_everything_else_is_left_as_it_was():
         "GET /v1/voices?name=bob&transcript=hello HTTP/1.1",
         "monkey=1 turkey=2 keyboard",
         "bearer token missing",
+        "the voice store postgresql://db:5432/voices cannot be opened",
     ):
         assert redact(line) == line
 

@@ -1,7 +1,7 @@
-"""Voices that last (service/voices.py, service/voice_db.py): created on purpose they are kept
-until deleted and persist in SQLite across restarts (codes, name, transcript, creation time);
-inline voices stay in memory; a full store refuses rather than evicts; names are unique and
-usable wherever a voice_id is; a directory of voices is registered at start."""
+"""Voices that last (service/voices.py, service/voice_db_sqlite.py): created on purpose they
+are kept until deleted and persist in SQLite across restarts (codes, name, transcript,
+creation time); inline voices stay in memory; a full store refuses rather than evicts; names
+are unique and usable wherever a voice_id is; a directory of voices is registered at start."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from engine import VoiceReference
-from service.voice_db import VoiceDatabase
+from service.voice_db_sqlite import SqliteVoiceDatabase
 from service.voices import VoiceError, VoiceStore, check_name
 
 from .conftest import b64, collect, open_ws, recv_until, reference_audio, run, speak
@@ -23,17 +23,17 @@ OTHER = VoiceReference(((7,) * 8,) * 5, None)
 
 def test_kept_voices_persist_and_inline_ones_do_not(tmp_path):
     path = tmp_path / "voices.sqlite3"
-    store = VoiceStore(10, VoiceDatabase(path))
+    store = VoiceStore(10, SqliteVoiceDatabase(path))
     kept = store.put("v_a", REF, name="alice")
     store.put("v_b", OTHER, keep=False)
     store.db.close()
-    again = VoiceStore(10, VoiceDatabase(path))
+    again = VoiceStore(10, SqliteVoiceDatabase(path))
     [loaded] = again.list()
     assert loaded == kept and loaded.reference.codes == REF.codes and loaded.name == "alice"
     assert again.get("alice") == loaded and again.get("v_b") is None
     assert again.delete("alice") and again.get("v_a") is None
     again.db.close()
-    assert VoiceStore(10, VoiceDatabase(path)).list() == []
+    assert VoiceStore(10, SqliteVoiceDatabase(path)).list() == []
 
 
 def test_a_full_store_refuses_kept_voices_and_evicts_only_inline_ones():
@@ -229,7 +229,7 @@ def test_a_store_of_the_first_layout_is_carried_over(tmp_path):
     )
     db.commit()
     db.close()
-    [voice] = VoiceStore(10, VoiceDatabase(path)).list()
+    [voice] = VoiceStore(10, SqliteVoiceDatabase(path)).list()
     assert (voice.voice_id, voice.name, voice.owner, voice.created_at) == (
         "v_old",
         "olga",

@@ -1,0 +1,111 @@
+"""Two voice stores on one PostgreSQL database, as two servers have them (service/voices.py
+over service/voice_db_postgres.py): what one creates the other finds at once, by voice_id and
+by name; what one deletes the other refuses once its answer is `recheck_s` old; a name taken
+through one is a `name_conflict` through the other; `max_voices` counts the database's voices;
+an unreadable database leaves the voices a server holds speaking."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import VoiceReference
+from service.auth import Caller
+from service.voice_db import StoreReadError
+from service.voice_db_postgres import PostgresVoiceDatabase
+from service.voices import VoiceError, VoiceStore
+
+REF = VoiceReference(tuple((i % 1024, 1, 2, 3, 4, 5, 6, 1023) for i in range(30)), "Said.")
+OTHER = VoiceReference(((7,) * 8,) * 5, None)
+ALICE, BOB = Caller("k_alice", name="alice"), Caller("k_bob", name="bob")
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def two(postgres):
+    """Stores A and B on one database, with one clock to move."""
+    url, clock, stores = postgres.new_database(), Clock(), []
+    for _ in range(2):
+        stores.append(VoiceStore(3, PostgresVoiceDatabase(url), recheck_s=1.0, clock=clock))
+    yield *stores, clock
+    for store in stores:
+        store.db.close()
+
+
+def test_a_voice_created_through_one_is_found_through_the_other_at_once(two):
+    a, b, _ = two
+    assert b.get("carol") is None  # B has looked before: nothing remembered of that
+    created = a.put("v_1", REF, name="carol", owner="k_alice")
+    for key in ("carol", "v_1"):
+        found = b.get(key, ALICE)
+        assert found == created and found.reference == REF and found.kept
+        assert b.get(key, BOB) is None  # still Alice's own
+    assert [v.voice_id for v in b.list(ALICE)] == ["v_1"] and b.list(BOB) == []
+    a.put("v_2", OTHER, owner="k_alice")
+    assert b.get("v_2", ALICE).name is None
+    a.put("v_2", OTHER, name="dora", owner="k_alice")  # named later, through A
+    assert b.get("v_2", ALICE).name is None  # B's answer of a moment ago stands...
+    assert b.get("dora", ALICE).voice_id == "v_2"  # ...and the name is asked anew
+
+
+def test_a_voice_deleted_through_one_is_refused_by_the_other_within_recheck_s(two):
+    a, b, clock = two
+    a.put("v_1", REF, name="erin")
+    assert b.get("erin") is not None and b.get("v_1") is not None
+    assert a.delete("erin") and a.get("erin") is None
+    clock.now += 0.5
+    assert b.get("erin") is not None  # within recheck_s: B's answer stands (the bound)
+    clock.now += 0.6
+    assert b.get("erin") is None and b.get("v_1") is None
+    assert not b.delete("v_1") and b.list() == []
+
+
+def test_a_name_taken_through_one_is_a_name_conflict_through_the_other(two):
+    a, b, _ = two
+    b.put("v_9", OTHER)  # B holds a voice of its own before A names another
+    a.put("v_1", REF, name="fay")
+    with pytest.raises(VoiceError) as conflict:
+        b.put("v_2", OTHER, name="fay")
+    assert conflict.value.code == "name_conflict"
+    with pytest.raises(VoiceError) as renamed:
+        b.put("v_9", OTHER, name="fay")
+    assert renamed.value.code == "name_conflict"
+    assert b.get("fay").voice_id == "v_1" and b.get("v_2") is None
+    assert b.put("v_2", OTHER, name="fay", owner="k_bob").name == "fay"  # Bob's own "fay"
+
+
+def test_max_voices_counts_the_voices_of_every_server(two):
+    a, b, _ = two
+    for i in range(3):
+        a.put(f"v_{i}", REF)
+    with pytest.raises(VoiceError) as full:
+        b.put("v_x", OTHER)
+    assert full.value.code == "voice_store_full"
+    b.put("v_inline", OTHER, keep=False)  # inline voices: memory only, not counted
+    assert b.delete("v_0")
+    assert b.put("v_x", OTHER).kept and a.get("v_x") is not None
+
+
+def test_an_unreadable_database_leaves_the_held_voices_speaking(two, monkeypatch, caplog):
+    a, b, clock = two
+    a.put("v_1", REF, name="gus")
+    assert b.get("gus") is not None
+
+    def unreachable(*args):
+        raise StoreReadError("the voice store postgresql://db/voices could not be read: gone")
+
+    monkeypatch.setattr(b.db, "matching", unreachable)
+    monkeypatch.setattr(b.db, "count", unreachable)
+    clock.now += 5
+    assert b.get("gus").voice_id == "v_1" and b.get("v_1") is not None
+    assert b.get("v_unknown") is None
+    with pytest.raises(VoiceError) as refused:
+        b.put("v_2", OTHER)
+    assert refused.value.code == "voice_store_error"
+    assert sum("could not be read" in r.getMessage() for r in caplog.records) == 1
