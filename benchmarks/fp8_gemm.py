@@ -74,56 +74,54 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also a small sweep of our tiles")
     args = ap.parse_args()
     counters = torch.zeros(4096, dtype=torch.int32, device="cuda")
-    rows = []
+    print(f"\nprojections in CUDA graphs, {torch.cuda.get_device_name()} (us; TB/s of weight)")
+    head = ("gemm", "M", "bf16", "TB/s", "smm", "TB/s", "smm fast", "ours", "TB/s", "ours tma")
+    print("{:<9}{:>5}{:>8}{:>6}{:>8}{:>6}{:>9}{:>8}{:>6}{:>9}{:>9}{:>8}  best".format(
+        *head, "best", "quant"), flush=True)  # fmt: skip
     for name, (n, k) in SHAPES.items():
         if name == "audio_head":  # stays bf16
             continue
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(COPIES)]
         ws8 = [quantize_weight(w) for w in ws]
         for m in (int(b) for b in args.batches.split(",")):
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            x8, xs = quantize_rows(x)
-            ref = F.linear(x8.float() * xs, ws8[0][0].float() * ws8[0][1].t())
-            bf16 = bench(graphed(lambda x=x, ws=ws: [F.linear(x, w) for w in ws]))
-            scaled = []
-            for fast in (False, True):
-                out = torch._scaled_mm(
-                    x8, ws8[0][0].t(), xs, ws8[0][1], out_dtype=torch.bfloat16, use_fast_accum=fast
-                )
-                _checked(out, ref, f"_scaled_mm fast={fast}")
-                scaled.append(
-                    bench(
-                        graphed(
-                            lambda x8=x8, xs=xs, fast=fast, ws8=ws8: [
-                                torch._scaled_mm(
-                                    x8, w.t(), xs, s, out_dtype=torch.bfloat16, use_fast_accum=fast
-                                )
-                                for w, s in ws8
-                            ]
-                        )
-                    )
-                )
-            quant = bench(graphed(lambda x=x: [quantize_rows(x) for _ in range(COPIES)]))
-            ours = [float("nan")] * 2
-            best = (float("nan"), "")
-            if m <= 64:
-                for i, tma in enumerate((False, True)):
-                    kw = dict(skinny_tiles(m, n, k, tma), tma=tma)
-                    ours[i] = _skinny(x8, xs, ws8, counters, kw, ref, f"default tma={tma}")
-                if args.sweep:
-                    best = _sweep(x8, xs, ws8, counters, ref, m, n, k)
-            rows.append((name, m, n * k, bf16, *scaled, *ours, best, quant))
+            row = _row(x_of(m, k), ws, ws8, counters, args.sweep)
+            bf16, smm, fast, ours, ours_tma, best, quant = row
+            print(
+                f"{name:<9}{m:>5}{bf16 * 1e3:>8.1f}{2 * n * k / bf16 / 1e9:>6.2f}"
+                f"{smm * 1e3:>8.1f}{n * k / smm / 1e9:>6.2f}{fast * 1e3:>9.1f}{ours * 1e3:>8.1f}"
+                f"{n * k / ours / 1e9:>6.2f}{ours_tma * 1e3:>9.1f}{best[0] * 1e3:>9.1f}"
+                f"{quant * 1e3:>8.1f}  {best[1]}",
+                flush=True,
+            )
         del ws, ws8
-    print(f"\nprojections in CUDA graphs, {torch.cuda.get_device_name()} (us; TB/s of weight)")
-    head = ("gemm", "M", "bf16", "TB/s", "smm", "TB/s", "smm fast", "ours", "TB/s", "ours tma")
-    print("{:<9}{:>5}{:>8}{:>6}{:>8}{:>6}{:>9}{:>8}{:>6}{:>9}{:>9}{:>8}  best".format(
-        *head, "best", "quant"))  # fmt: skip
-    for name, m, nk, bf16, smm, fast, ours, ours_tma, best, quant in rows:
-        print(
-            f"{name:<9}{m:>5}{bf16 * 1e3:>8.1f}{2 * nk / bf16 / 1e9:>6.2f}{smm * 1e3:>8.1f}"
-            f"{nk / smm / 1e9:>6.2f}{fast * 1e3:>9.1f}{ours * 1e3:>8.1f}{nk / ours / 1e9:>6.2f}"
-            f"{ours_tma * 1e3:>9.1f}{best[0] * 1e3:>9.1f}{quant * 1e3:>8.1f}  {best[1]}"
+
+
+def x_of(m: int, k: int) -> torch.Tensor:
+    return torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+
+
+def _row(x, ws, ws8, counters, sweep: bool) -> tuple:
+    """(bf16, _scaled_mm, _scaled_mm fast, ours, ours tma, (best, label), quantize) ms."""
+    m, (n, k) = x.shape[0], ws[0].shape
+    x8, xs = quantize_rows(x)
+    ref = F.linear(x8.float() * xs, ws8[0][0].float() * ws8[0][1].t())
+    bf16 = bench(graphed(lambda: [F.linear(x, w) for w in ws]))
+    scaled = []
+    for fast in (False, True):
+        kw = dict(out_dtype=torch.bfloat16, use_fast_accum=fast)
+        _checked(torch._scaled_mm(x8, ws8[0][0].t(), xs, ws8[0][1], **kw), ref, f"smm {fast}")
+        scaled.append(
+            bench(graphed(lambda kw=kw: [torch._scaled_mm(x8, w.t(), xs, s, **kw) for w, s in ws8]))
         )
+    quant = bench(graphed(lambda: [quantize_rows(x) for _ in range(COPIES)]))
+    ours, best = [float("nan")] * 2, (float("nan"), "")
+    if m <= 64:
+        for i, tma in enumerate((False, True)):
+            kw = dict(skinny_tiles(m, n, k, tma), tma=tma)
+            ours[i] = _skinny(x8, xs, ws8, counters, kw, ref, f"default tma={tma}")
+        if sweep:
+            best = _sweep(x8, xs, ws8, counters, ref, m, n, k)
+    return (bf16, *scaled, *ours, best, quant)
 
 
 if __name__ == "__main__":
