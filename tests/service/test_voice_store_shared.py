@@ -2,17 +2,27 @@
 over service/voice_db_postgres.py): what one creates the other finds at once, by voice_id and
 by name; what one deletes the other refuses once its answer is `recheck_s` old; a name taken
 through one is a `name_conflict` through the other; `max_voices` counts the database's voices;
-an unreadable database leaves the voices a server holds speaking."""
+an unreadable database leaves the voices a server holds speaking. Then the same with two
+real servers on one database, over the WebSocket and HTTP."""
 
 from __future__ import annotations
 
+import json
+import time
+
+import httpx
 import pytest
 
 from engine import VoiceReference
+from service.app import Services
 from service.auth import Caller
+from service.config import ServiceSettings
 from service.voice_db import StoreReadError
 from service.voice_db_postgres import PostgresVoiceDatabase
-from service.voices import VoiceError, VoiceStore
+from service.voices import RECHECK_S, VoiceError, VoiceStore
+from tests.postgres_server import PASSWORD
+
+from .conftest import b64, collect, expect_error, open_ws, recv_until, reference_audio, run, speak
 
 REF = VoiceReference(tuple((i % 1024, 1, 2, 3, 4, 5, 6, 1023) for i in range(30)), "Said.")
 OTHER = VoiceReference(((7,) * 8,) * 5, None)
@@ -109,3 +119,72 @@ def test_an_unreadable_database_leaves_the_held_voices_speaking(two, monkeypatch
         b.put("v_2", OTHER)
     assert refused.value.code == "voice_store_error"
     assert sum("could not be read" in r.getMessage() for r in caplog.records) == 1
+
+
+def _speak_through(server, key: str, uid: str) -> dict:
+    """One short utterance in `key`'s voice over the WebSocket: its Utt (done or error)."""
+
+    async def main():
+        async with open_ws(server.ws) as ws:
+            await ws.send(speak(uid, "Shared.", dur=0.4, seed=3, voice_id=key))
+            return (await collect(ws, [uid]))[uid]
+
+    return run(main())
+
+
+def test_a_voice_created_through_one_server_is_spoken_and_deleted_through_another(
+    make_server, postgres
+):
+    url = postgres.new_database()
+    a, b = (make_server(extra={"voice_store": url}) for _ in range(2))
+
+    async def create():
+        async with open_ws(a.ws) as ws:
+            audio = b64(reference_audio(2.0, f0=170.0))
+            await ws.send(json.dumps({"type": "voice.create", "name": "hana", "audio_b64": audio}))
+            return (await recv_until(ws, "voice.created"))[0]
+
+    created = run(create())
+    by_name, by_id = _speak_through(b, "hana", "s1"), _speak_through(b, created["voice_id"], "s2")
+    assert by_name.done is not None and by_id.done is not None, (by_name.errors, by_id.errors)
+    assert by_name.payload == by_id.payload == _speak_through(a, "hana", "s3").payload
+    listed = httpx.get(b.http + "/v1/voices", timeout=30).json()["voices"]
+    assert [v["name"] for v in listed] == ["hana"]
+
+    assert httpx.delete(a.http + "/v1/voices/hana", timeout=30).status_code == 204
+    deadline = time.monotonic() + RECHECK_S + 5  # B may trust its last answer RECHECK_S
+    while (refused := _speak_through(b, "hana", "s4")).done is not None:
+        assert time.monotonic() < deadline, "B still speaks a voice deleted through A"
+    assert [e["code"] for e in refused.errors] == ["unknown_voice"]
+    assert httpx.get(b.http + "/v1/voices/" + created["voice_id"], timeout=30).status_code == 404
+
+
+def test_a_name_taken_through_one_server_is_a_name_conflict_through_another(make_server, postgres):
+    url = postgres.new_database()
+    a, b = (make_server(extra={"voice_store": url}) for _ in range(2))
+    body = {"audio_b64": b64(reference_audio(2.0, f0=150.0)), "name": "ivy"}
+    assert httpx.post(a.http + "/v1/voices", json=body, timeout=60).status_code == 201
+    other = {"audio_b64": b64(reference_audio(1.5, f0=210.0)), "name": "ivy"}
+    taken = httpx.post(b.http + "/v1/voices", json=other, timeout=60)
+    assert taken.status_code == 409 and taken.json()["error"]["code"] == "name_conflict"
+
+    async def over_the_socket():
+        async with open_ws(b.ws) as ws:
+            await ws.send(json.dumps({"type": "voice.create", "request_id": "r", **other}))
+            return await expect_error(ws, "name_conflict")
+
+    assert run(over_the_socket())["request_id"] == "r"
+    [shown] = httpx.get(b.http + "/v1/voices", timeout=30).json()["voices"]
+    assert shown["name"] == "ivy" and shown["frames"] == 50  # A's 2 s recording, not B's
+
+
+def test_a_server_whose_shared_store_cannot_be_reached_says_where_without_the_password(
+    postgres, caplog
+):
+    url = f"postgresql://clonecast:{PASSWORD}@127.0.0.1:{postgres.port}/no_such_db"
+    services = Services(ServiceSettings(device="cpu", voice_store=url))
+    run(services.load())  # what the server does first: the store opens before any engine
+    said = f"postgresql://127.0.0.1:{postgres.port}/no_such_db cannot be opened"
+    assert said in services.load_error and "\n" not in services.load_error
+    [line] = [r.getMessage() for r in caplog.records if "could not start" in r.getMessage()]
+    assert said in line and PASSWORD not in line and PASSWORD not in caplog.text
