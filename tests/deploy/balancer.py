@@ -174,12 +174,16 @@ class Balancer:
             assert time.monotonic() < deadline, f"{name} has {seen} sessions, not {count}"
             time.sleep(0.05)
 
-    def wait_status(self, name: str, status: str, timeout: float = 60) -> None:
-        """Until HAProxy's health check has marked server `name` UP or DOWN."""
+    def wait_status(self, name: str, status: str, timeout: float = 60) -> dict[str, str]:
+        """Until HAProxy's health check has marked server `name` UP or DOWN; returns its row
+        then (`check_status`: L7OK, L7STS with `check_code` for an HTTP answer that failed,
+        L4CON for a refused connection)."""
         deadline = time.monotonic() + timeout
-        while (seen := self.stats()[name]["status"]) != status:
+        while (row := self.stats()[name])["status"] != status:
+            seen = row["status"]
             assert time.monotonic() < deadline, f"{name} is {seen}, not {status}, in {timeout} s"
             time.sleep(0.1)
+        return row
 
     def stop(self) -> None:
         if self.process.poll() is None:

@@ -140,7 +140,7 @@ def test_sigterm_drains_a_server_out_of_the_balancer_and_a_restart_brings_it_bac
         first, _ = await recv_until(ws_a, "audio", timeout=120, id="drained")  # it runs
         assert first["seq"] == 0 and isinstance(await ws_a.recv(), bytes)
         victim.process.send_signal(signal.SIGTERM)
-        cluster.balancer.wait_status(victim.name, "DOWN")  # /ready said 503
+        down = cluster.balancer.wait_status(victim.name, "DOWN")
         late = []
         for n in range(2):  # new connections while the victim drains: all to the other
             ws, server = await cluster.open()
@@ -152,9 +152,11 @@ def test_sigterm_drains_a_server_out_of_the_balancer_and_a_restart_brings_it_bac
         other_utts = await collect(ws_b, ["other"], timeout=120)
         for ws, _ in [*late, (ws_b, other)]:
             await ws.close()
-        return victim, other, late, late_utts, drained, closed, other_utts
+        return victim, other, down, late, late_utts, drained, closed, other_utts
 
-    victim, other, late, late_utts, drained, closed, other_utts = run(main())
+    victim, other, down, late, late_utts, drained, closed, other_utts = run(main())
+    # out by its answer to GET /ready, not by a closed port (it still listened then)
+    assert (down["check_status"], down["check_code"]) == ("L7STS", "503")
     assert [server for _, server in late] == [other, other]
     for utts in [*late_utts, other_utts]:
         for utt in utts.values():
@@ -193,7 +195,7 @@ def test_a_killed_server_leaves_the_other_serving_through_the_balancer(cluster):
         victim.process.kill()  # SIGKILL: no drain, no close frame
         lost = await _messages_until_closed(ws_a)
         kept = await collect(ws_b, ["kept"], timeout=240)
-        cluster.balancer.wait_status(victim.name, "DOWN")  # the check's connection is refused
+        down = cluster.balancer.wait_status(victim.name, "DOWN")
         fresh = []
         for n in range(3):
             ws, server = await cluster.open()
@@ -201,9 +203,10 @@ def test_a_killed_server_leaves_the_other_serving_through_the_balancer(cluster):
             fresh.append((server, await collect(ws, [f"fresh{n}"], timeout=120)))
             await ws.close()
         await ws_b.close()
-        return victim, other, lost, kept, fresh
+        return victim, other, down, lost, kept, fresh
 
-    victim, other, lost, kept, fresh = run(main())
+    victim, other, down, lost, kept, fresh = run(main())
+    assert down["check_status"] == "L4CON"  # the check's connection was refused
     assert victim.process.wait(timeout=30) == -signal.SIGKILL
     assert not any(isinstance(m, str) and '"done"' in m for m in lost)  # it never ended
     check_complete(kept["kept"])
