@@ -7,8 +7,8 @@ STAMP := $(VENV)/.installed
 NODE_DEPS := web/node_modules/.installed
 # Commands the tests need and the Debian packages that provide them (command:package):
 # Node.js for the JavaScript SDK's tests, Chromium for the browser tests, HAProxy for the
-# balancer test (tests/deploy)
-SYSTEM_COMMANDS := node:nodejs npm:npm chromium:chromium prometheus:prometheus promtool:prometheus haproxy:haproxy
+# balancer test (tests/deploy), PostgreSQL for the shared voice store's (tests/postgres_server.py)
+SYSTEM_COMMANDS := node:nodejs npm:npm chromium:chromium prometheus:prometheus promtool:prometheus haproxy:haproxy pg_ctl:postgresql
 
 .PHONY: setup start test lint gpu-check system-deps
 
@@ -26,9 +26,11 @@ start: $(STAMP)
 
 # Installs the Debian packages of missing commands when run as root; otherwise says the one
 # command to run. (A command from elsewhere, e.g. a newer Node.js, is used as it is; /usr/sbin,
-# where haproxy lives, is searched also when a user's PATH lacks it.)
+# where haproxy lives, is searched also when a user's PATH lacks it, and so is each
+# /usr/lib/postgresql/VERSION/bin, where Debian keeps pg_ctl off every PATH.)
 system-deps:
-	@PATH="$$PATH:/usr/sbin:/sbin"; missing=""; for pair in $(SYSTEM_COMMANDS); do \
+	@PATH="$$PATH:/usr/sbin:/sbin"; for dir in /usr/lib/postgresql/*/bin; do PATH="$$PATH:$$dir"; done; \
+	missing=""; for pair in $(SYSTEM_COMMANDS); do \
 	  command -v $${pair%%:*} >/dev/null || missing="$$missing $${pair#*:}"; done; \
 	if [ -z "$$missing" ]; then exit 0; fi; \
 	if [ "$$(id -u)" = 0 ]; then \
