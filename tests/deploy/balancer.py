@@ -128,6 +128,7 @@ class Balancer:
 
     def __init__(self, workdir: Path, servers: list[Server]):
         self.port, self.socket = _free_port(), workdir / "haproxy.sock"
+        self.http = f"http://127.0.0.1:{self.port}"
         self.ws = f"ws://127.0.0.1:{self.port}/v1/stream"
         self.log_path = workdir / "haproxy.log"
         (workdir / "global.cfg").write_text(TEST_GLOBAL.format(socket=self.socket))

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import time
 
+import httpx
 import pytest
 from websockets.exceptions import ConnectionClosed
 
@@ -114,6 +115,8 @@ def test_streams_through_the_balancer_spread_by_least_connections(cluster):
         return spread, scur, results, emptied, [server for _, server in refill]
 
     spread, scur, results, emptied, refilled = run(main())
+    assert httpx.get(cluster.balancer.http + "/ready", timeout=30).status_code == 200
+    assert httpx.get(cluster.balancer.http + "/metrics", timeout=30).status_code == 403
     # each new connection went to the server with fewer: two and two
     assert spread == {"clonecast1": 2, "clonecast2": 2}
     assert scur == {"clonecast1": 2, "clonecast2": 2}  # the balancer counts them the same
