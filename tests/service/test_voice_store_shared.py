@@ -23,6 +23,7 @@ from service.voices import RECHECK_S, VoiceError, VoiceStore
 from tests.postgres_server import PASSWORD
 
 from .conftest import b64, collect, expect_error, open_ws, recv_until, reference_audio, run, speak
+from .test_secrets_in_logs import start_serve, stop_serve
 
 REF = VoiceReference(tuple((i % 1024, 1, 2, 3, 4, 5, 6, 1023) for i in range(30)), "Said.")
 OTHER = VoiceReference(((7,) * 8,) * 5, None)
@@ -188,3 +189,19 @@ def test_a_server_whose_shared_store_cannot_be_reached_says_where_without_the_pa
     assert said in services.load_error and "\n" not in services.load_error
     [line] = [r.getMessage() for r in caplog.records if "could not start" in r.getMessage()]
     assert said in line and PASSWORD not in line and PASSWORD not in caplog.text
+
+
+def test_clonecast_serve_on_a_shared_store_never_logs_its_password(postgres, tmp_path):
+    """At trace level, through a voice's whole life and a shutdown."""
+    url = postgres.new_database()
+    server, http, log = start_serve(tmp_path, "--log-level", "trace", CLONECAST_VOICE_STORE=url)
+    try:
+        body = {"audio_b64": b64(reference_audio(2.0, f0=160.0)), "name": "jude"}
+        assert httpx.post(http + "/v1/voices", json=body, timeout=60).status_code == 201
+        speech = {"input": "Hi.", "voice": "jude", "max_duration_s": 0.3, "response_format": "pcm"}
+        assert httpx.post(http + "/v1/audio/speech", json=speech, timeout=60).status_code == 200
+        assert httpx.delete(http + "/v1/voices/jude", timeout=30).status_code == 204
+    finally:
+        stop_serve(server)
+    text = log.read_text()
+    assert "clonecast ready" in text and PASSWORD not in text
