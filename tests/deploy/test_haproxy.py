@@ -12,6 +12,7 @@ import contextlib
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -31,6 +32,7 @@ pytestmark = pytest.mark.skipif(
     HAPROXY is None,
     reason="needs haproxy: Debian package haproxy (`make system-deps` as root installs it)",
 )
+STOCK = Path("/etc/haproxy/haproxy.cfg")  # what Debian's package installs
 LONG_S = 40.0  # audio seconds: still generating (several seconds on a CPU) when a signal comes
 
 
@@ -81,11 +83,17 @@ def cluster(tmp_path_factory):
 
 
 def test_the_template_is_valid_haproxy_config(tmp_path):
-    """The file as shipped (its example addresses) passes `haproxy -c`."""
+    """The file as shipped (its example addresses) passes `haproxy -c`, and so does Debian's
+    stock /etc/haproxy/haproxy.cfg with it appended, as docs/deploy.md says to install it."""
     (tmp_path / "global.cfg").write_text(TEST_GLOBAL.format(socket=tmp_path / "s.sock"))
-    files = ["-f", str(tmp_path / "global.cfg"), "-f", str(TEMPLATE)]
-    check = subprocess.run([HAPROXY, "-c", *files], capture_output=True, text=True)
-    assert check.returncode == 0, check.stdout + check.stderr
+    configs = [[tmp_path / "global.cfg", TEMPLATE]]
+    if STOCK.exists():
+        (tmp_path / "appended.cfg").write_text(STOCK.read_text() + TEMPLATE.read_text())
+        configs.append([tmp_path / "appended.cfg"])
+    for files in configs:
+        args = [arg for path in files for arg in ("-f", str(path))]
+        check = subprocess.run([HAPROXY, "-c", *args], capture_output=True, text=True)
+        assert check.returncode == 0, check.stdout + check.stderr
 
 
 @pytest.mark.slow
