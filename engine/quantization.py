@@ -159,6 +159,8 @@ def quantize_model(model: nn.Module, plan) -> None:
                     f"{tuple(linear.weight.shape)}: use quantization='none' for this model"
                 )
             setattr(owner, name, Fp8Linear.from_linear(linear))
+    if device.type == "cuda":  # the bf16 weights' memory back to the device: KV sizing sees it
+        torch.cuda.empty_cache()
     fused = device.type == "cuda" and model.fused_ops
     rows, tma = plan.few_row_fp8_rows, plan.few_row_gemm_tma
     model.ops = Fp8Ops(model.ops, fused, dtype, device, max_rows=rows, tma=tma)
