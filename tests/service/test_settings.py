@@ -144,3 +144,14 @@ def test_a_bad_config_file_is_one_line_naming_the_entry(tmp_path):
             _settings(str(path))
     with pytest.raises(ConfigError, match="missing.toml"):
         _settings(str(tmp_path / "missing.toml"))
+
+
+def test_the_voice_store_is_a_file_memory_or_a_postgresql_url():
+    home = {"CLONECAST_CACHE_DIR": "/srv/cc"}
+    assert str(ServiceSettings.from_env(home).voice_store) == "/srv/cc/voices.sqlite3"
+    assert ServiceSettings.from_env({"CLONECAST_VOICE_STORE": "memory"}).voice_store is None
+    url = "postgresql://cc:pw-in-url@db:5432/voices"
+    settings = ServiceSettings.from_env({"CLONECAST_VOICE_STORE": url})
+    assert settings.voice_store == url and "pw-in-url" not in repr(settings)
+    with pytest.raises(ValueError, match="mysql:// is not supported"):
+        ServiceSettings.from_env({"CLONECAST_VOICE_STORE": "mysql://db/voices"})
