@@ -16,7 +16,7 @@ _METRIC = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$")
 
 @dataclass(frozen=True)
 class ProcessState:
-    pid: int
+    pid: int | str  # the engines': their pids joined by commas
     rss_mb: float
     fds: int
     threads: int
@@ -28,7 +28,7 @@ class Sample:
     phase: str  # baseline, load or idle
     requests: int  # requests ended so far (every outcome)
     server: ProcessState | None
-    engine: ProcessState | None
+    engine: ProcessState | None  # every engine process of the server, summed
     kv_blocks_used: int
     voice_cache_bytes: int
     engine_running: int
@@ -66,18 +66,32 @@ def children(pid: int) -> list[int]:
     return found
 
 
-def engine_pid(server_pid: int) -> int | None:
-    """The spawned engine process: the server's child running multiprocessing's spawn_main
-    (the other child, multiprocessing's resource tracker, is not it). Looked up at every
-    sample: an engine restarted by the server has a new pid."""
+def engine_pids(server_pid: int) -> list[int]:
+    """The spawned engine processes (one per engine of the server): the server's children
+    running multiprocessing's spawn_main (multiprocessing's resource tracker is not one).
+    Looked up at every sample: an engine restarted by the server has a new pid."""
+    found = []
     for child in children(server_pid):
         try:
             cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
         except FileNotFoundError:
             continue
         if b"multiprocessing.spawn" in cmdline:
-            return child
-    return None
+            found.append(child)
+    return sorted(found)
+
+
+def engines_state(pids: list[int]) -> ProcessState | None:
+    """Every engine process together: memory, files and threads summed, pids joined."""
+    states = [state for state in map(process_state, pids) if state is not None]
+    if not states:
+        return None
+    return ProcessState(
+        ",".join(str(state.pid) for state in states),
+        round(sum(state.rss_mb for state in states), 1),
+        sum(state.fds for state in states),
+        sum(state.threads for state in states),
+    )
 
 
 def listening_pid(port: int) -> int | None:
@@ -118,12 +132,30 @@ def scrape(http_url: str) -> dict[str, float]:
         return parse_metrics(response.read().decode())
 
 
+def series(metrics: dict[str, float], name: str) -> dict[str, float]:
+    """{labels: value} of one series, with or without labels (an `engine` label per engine)."""
+    return {
+        k[len(name) :]: v
+        for k, v in metrics.items()
+        if k == name or k[: len(name) + 1] == name + "{"
+    }
+
+
+def summed(metrics: dict[str, float], name: str) -> int:
+    """A series summed over its labels (every engine's); -1 when the server has none."""
+    found = series(metrics, name)
+    return round(sum(found.values())) if found else -1
+
+
 def kv_blocks_used(metrics: dict[str, float]) -> int:
-    free = metrics["clonecast_kv_cache_free_blocks"]
-    usage = metrics["clonecast_kv_cache_usage_perc"]
-    if usage >= 1.0:
-        return -1  # every block in use: the total is not recoverable from these two
-    return round(free / (1.0 - usage) - free)
+    """Summed over the engines, each from its free blocks and usage fraction."""
+    usage = series(metrics, "clonecast_kv_cache_usage_perc")
+    used = 0
+    for labels, free in series(metrics, "clonecast_kv_cache_free_blocks").items():
+        if usage[labels] >= 1.0:
+            return -1  # every block in use: the total is not recoverable from these two
+        used += round(free / (1.0 - usage[labels]) - free)
+    return used
 
 
 def labelled(metrics: dict[str, float], name: str, label: str) -> dict[str, float]:
@@ -146,18 +178,15 @@ class Probe:
     def sample(self, phase: str, requests: int) -> Sample:
         metrics = scrape(self.http_url)
         server = process_state(self.server_pid) if self.server_pid else None
-        child = engine_pid(self.server_pid) if server else None
         return Sample(
             t_s=round(time.monotonic() - self.started, 1),
             phase=phase,
             requests=requests,
             server=server,
-            engine=process_state(child) if child else None,
+            engine=engines_state(engine_pids(self.server_pid)) if server else None,
             kv_blocks_used=kv_blocks_used(metrics),
-            voice_cache_bytes=int(metrics.get("clonecast_voice_cache_bytes", -1)),
-            engine_running=int(
-                metrics["clonecast_num_requests_running"]
-                + metrics["clonecast_num_requests_waiting"]
-            ),
-            connections=int(metrics["clonecast_websocket_connections"]),
+            voice_cache_bytes=summed(metrics, "clonecast_voice_cache_bytes"),
+            engine_running=summed(metrics, "clonecast_num_requests_running")
+            + summed(metrics, "clonecast_num_requests_waiting"),
+            connections=summed(metrics, "clonecast_websocket_connections"),
         )

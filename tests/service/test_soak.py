@@ -18,6 +18,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks import soak_report as report  # noqa: E402
 from benchmarks.soak_conn import Unexpected, UtteranceReader  # noqa: E402
+from benchmarks.soak_probe import kv_blocks_used, parse_metrics  # noqa: E402
 from clonecast_client.wire import pack_audio, unpack_audio  # noqa: E402
 
 
@@ -53,6 +54,18 @@ def test_reconcile_compares_outcomes_and_error_codes():
     problems = report.reconcile(client, lost)
     assert "7 utterances end, the server counted 6" in problems[0]
     assert "internal" in problems[1]
+
+
+def test_kv_blocks_in_use_are_read_with_or_without_an_engine_label():
+    one = "clonecast_kv_cache_free_blocks 12288.0\nclonecast_kv_cache_usage_perc 0.25\n"
+    assert kv_blocks_used(parse_metrics(one)) == 4096
+    two = (
+        'clonecast_kv_cache_free_blocks{engine="0"} 100.0\n'
+        'clonecast_kv_cache_free_blocks{engine="1"} 150.0\n'
+        'clonecast_kv_cache_usage_perc{engine="0"} 0.5\n'
+        'clonecast_kv_cache_usage_perc{engine="1"} 0.0\n'
+    )
+    assert kv_blocks_used(parse_metrics(two)) == 100
 
 
 def _audio(queue: asyncio.Queue, seq: int, payload: bytes, last: bool) -> None:
@@ -114,7 +127,7 @@ def test_a_short_soak_leaks_nothing(model_cache):
     rows = summary["rows"]
     baseline, idle = rows[0], rows[-1]
     assert idle["kv_blocks_used"] == 0 and idle["engine_running"] == 0, log
-    assert len({row["engine_pid"] for row in rows}) == 1, log  # one engine the whole run
+    assert len({row["engine_pid"] for row in rows}) == 1, log  # the same engine(s) throughout
     # the warm-up encoded every recording of the run (a refused one is never cached): the
     # voice cache (clonecast_voice_cache_bytes) holds them and grows no further
     assert baseline["voice_cache_bytes"] > 0, log
