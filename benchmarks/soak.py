@@ -250,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="write the samples and the summary here")
     p.add_argument("--csv", help="write the samples here")
     args = p.parse_args(argv)
+    for path in filter(None, (args.json, args.csv)):  # a bad path fails now, not at the end
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
     ident = identity()
     out = lambda text: print(text, flush=True)  # noqa: E731
     out(
