@@ -48,12 +48,21 @@ class PostgresServer:
         if bin_dir is None:
             pytest.skip("no PostgreSQL: Debian's postgresql package (make system-deps installs it)")
         self.bin = bin_dir
-        self.root = Path(tempfile.mkdtemp(prefix="clonecast-pg-"))  # /tmp: `nobody` reaches it
+        root = os.geteuid() == 0
+        # as root, in /tmp itself (not a $TMPDIR that `nobody` may not enter)
+        self.root = Path(tempfile.mkdtemp(prefix="clonecast-pg-", dir="/tmp" if root else None))
         self.data = self.root / "data"
         self.port = _free_port()
-        self._as_user = []
-        if os.geteuid() == 0:
-            self._as_user = ["runuser", "-u", "nobody", "--"]
+        self._as_user = ["runuser", "-u", "nobody", "--"] if root else []
+        try:
+            self._start()
+        except BaseException:
+            shutil.rmtree(self.root, ignore_errors=True)
+            raise
+        self._names = itertools.count()
+
+    def _start(self) -> None:
+        if self._as_user:
             shutil.chown(self.root, "nobody")
         pwfile = self.root / "pw"
         pwfile.write_text(PASSWORD + "\n")
@@ -65,7 +74,6 @@ class PostgresServer:
         )  # fmt: skip
         options = f"-c listen_addresses=127.0.0.1 -p {self.port} -k {self.root} -c fsync=off"
         self._run("pg_ctl", "-D", self.data, "-l", self.root / "log", "-o", options, "-w", "start")
-        self._names = itertools.count()
 
     def url(self, database: str = "postgres", password: str = PASSWORD) -> str:
         return f"postgresql://{SUPERUSER}:{password}@127.0.0.1:{self.port}/{database}"

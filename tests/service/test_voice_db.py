@@ -128,3 +128,11 @@ def test_a_broken_connection_is_replaced_and_a_refused_write_is_a_store_write_er
         db.save("v_2", None, None, OTHER, 2.0)
     assert "could not be written" in str(refused.value) and PASSWORD not in str(refused.value)
     db.close()
+
+
+def test_without_the_postgresql_binaries_the_tests_skip_saying_how_to_install_them(monkeypatch):
+    import tests.postgres_server as server
+
+    monkeypatch.setattr(server.glob, "glob", lambda pattern: [])
+    with pytest.raises(pytest.skip.Exception, match="postgresql package"):
+        server.PostgresServer()
