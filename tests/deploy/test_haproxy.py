@@ -38,10 +38,14 @@ LONG_S = 40.0  # audio seconds: still generating (several seconds on a CPU) when
 
 class Cluster:
     def __init__(self, workdir):
+        self.workdir = workdir
         self.servers = [Server("clonecast1", workdir), Server("clonecast2", workdir)]
+        self.balancer: Balancer | None = None
+
+    def start(self) -> None:
         for server in self.servers:
             server.start()
-        self.balancer = Balancer(workdir, self.servers)
+        self.balancer = Balancer(self.workdir, self.servers)
 
     def ensure_up(self) -> None:
         """Both servers running, marked UP by the balancer, no connection open on either."""
@@ -51,7 +55,7 @@ class Cluster:
         for server in self.servers:
             self.balancer.wait_status(server.name, "UP")
         deadline = time.monotonic() + 30
-        while any(self.connections().values()):
+        while any(self.connections().values()) or any(self.balancer.current_sessions().values()):
             assert time.monotonic() < deadline, "connections of an earlier test still open"
             time.sleep(0.1)
 
@@ -70,7 +74,8 @@ class Cluster:
         return ws, rose[0]
 
     def stop(self) -> None:
-        self.balancer.stop()
+        if self.balancer is not None:
+            self.balancer.stop()
         for server in self.servers:
             server.stop()
 
@@ -78,8 +83,11 @@ class Cluster:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     cluster = Cluster(tmp_path_factory.mktemp("cluster"))
-    yield cluster
-    cluster.stop()
+    try:
+        cluster.start()
+        yield cluster
+    finally:  # also when a server or the balancer failed to start: nothing left running
+        cluster.stop()
 
 
 def test_the_template_is_valid_haproxy_config(tmp_path):
