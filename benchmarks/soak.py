@@ -54,8 +54,9 @@ def started_server(env: dict | None = None, ready_timeout_s: float = 300):
     log_path = tmp / "server.log"
     env = {**os.environ, **(env or {}), "CLONECAST_PORT": str(port)}
     env["CLONECAST_VOICE_STORE"] = str(tmp / "voices.sqlite3")
-    exe = Path(sys.executable).with_name("clonecast")
-    cmd = [str(exe), "serve"] if exe.exists() else [sys.executable, "-m", "service.cli", "serve"]
+    # `clonecast serve`, as `-m` from ROOT: the code of this tree (also a scratch copy's, as
+    # the mutation check makes), never an installed copy's
+    cmd = [sys.executable, "-m", "service.cli", "serve"]
     with open(log_path, "w") as log:
         server = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
