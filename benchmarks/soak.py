@@ -12,7 +12,8 @@ request that did not end as expected fails the run (exit status 1).
     python benchmarks/soak.py --url http://HOST:PORT --minutes 5 --json out/soak.json
 
 Started by the script, the server is `clonecast serve` with no flags (the embedded default
-model, cuda when available), on a free port, its voices in a temporary SQLite store. Attached
+model, cuda when available; run as `python -m service.cli serve` from this tree's root), on a
+free port, its voices in a temporary SQLite store. Attached
 by `--url`, its process is the one listening on that port (or `--server-pid`), on this host.
 """
 
