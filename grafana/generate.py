@@ -163,6 +163,14 @@ def engine() -> list[dict]:
             ],
         ),
         panel(
+            "Utterances per engine",
+            "Utterances sent to each of the server's engines (one per device) per second, by "
+            "why: affinity (the engine served the voice last and holds its prompt prefix) or "
+            "least_loaded. One engine: one pair of lines.",
+            "reqps",
+            [(summed("clonecast_engine_routed_total", "engine, reason"), "{{engine}} {{reason}}")],
+        ),
+        panel(
             "Batch size (mean / P95)",
             "Requests in each launched engine step.",
             "none",

@@ -23,7 +23,6 @@ from engine import (
     ConfigError,
     Engine,
     EngineConfig,
-    SamplingParams,
     VoiceReference,
     default_device,
 )
@@ -33,7 +32,7 @@ from service.auth import Caller
 from service.config import ServiceSettings
 from service.engine_client import EngineClient
 from service.engine_host import EngineSpec, settle_garbage_collector
-from service.engine_supervisor import EngineSupervisor, RestartPolicy
+from service.engines import Engines
 from service.http_api import (
     api_page,
     health,
@@ -66,9 +65,10 @@ UNTRAINED_DEFAULT_MAX_S = 4.0  # see Services.default_max_s
 
 class Services:
     """Everything the handlers share: settings, the engine (through its client), voices,
-    metrics. The handlers reach the engine only through `worker`, an `EngineClient`: to an
-    engine process by default, to a thread of this process when an engine object is given or
-    `settings.engine_process` is off."""
+    metrics. The handlers reach the engines only through `engines` (service/engines.py: an
+    `EngineClient` per engine, to an engine process by default, to a thread of this process
+    when an engine object is given or `settings.engine_process` is off): `engines.pick(voice)`
+    for an utterance, `worker` for what any engine answers alike."""
 
     def __init__(self, settings: ServiceSettings, engine: Engine | None = None):
         self.settings = settings
@@ -83,9 +83,9 @@ class Services:
             limits.max_audio_s_per_minute_per_key,
             on_refused=self.metrics.key_refused,
         )
-        self.engine = engine  # in-process engine only
-        self.worker: EngineClient | None = None
-        self.is_ready = False  # serving: loaded, the engine alive, not draining
+        self.engines = Engines(
+            self, _devices(settings), self._engine_config, self._engine_spec, engine
+        )
         self.loaded = False  # was ready once (voices and models answer from then on)
         self.progress = "starting"  # what loading is doing (/ready while not ready)
         # why the server cannot serve: loading failed or the engine kept failing (it exits)
@@ -93,7 +93,6 @@ class Services:
         self.on_load_failed = None  # called once, with load_error set (the CLI stops the server)
         self.stopping = False
         self.draining = False  # shutting down: running utterances finish, new ones are refused
-        self.supervisor = EngineSupervisor(self, RestartPolicy(settings.engine_restarts))
         self.loop: asyncio.AbstractEventLoop | None = None
         self.utterances: set = set()  # running, of every transport (a drain waits for them)
         self.sessions: set = set()  # open WebSocket sessions
@@ -104,55 +103,32 @@ class Services:
         if self.settings.voice_store is not None:  # ConfigError: one line naming it
             db = open_voice_database(self.settings.voice_store)
             self.voices = VoiceStore(self.settings.limits.max_voices, db)
-        self.start_engine()
+        self.engines.start_all()
+        self.metrics.set_build(VERSION, self.worker.info, self.model_info()["name"])
 
-    def start_engine(self) -> None:
-        """A new engine client, started (blocks while it loads), in place of the last one
-        (which is stopped: a dead engine's queues are released)."""
-        on_exit = self._engine_exited
-        if self.engine is None and self.settings.engine_process:
-            spec = EngineSpec(
-                self.settings.model,
-                self._engine_config(),
-                self.settings.codec,
-                self.settings.cache_dir,
-                self.settings.gil_switch_ms,
-                logging.getLogger("clonecast").getEffectiveLevel(),
-                self.settings.profile,
-            )
-            worker = EngineClient.in_process(spec, self.metrics.observe_steps, on_exit)
-        else:
-            if self.engine is None:
-                self.engine = Engine.from_pretrained(
-                    self.settings.model,
-                    self._engine_config(),
-                    codec=self.settings.codec,
-                    cache_dir=self.settings.cache_dir,
-                )
-            worker = EngineClient.in_thread(self.engine, self.metrics.observe_steps, on_exit)
-        try:
-            worker.start()
-            if not worker.info.has_codec:
-                raise ConfigError(
-                    "the service needs a codec: the checkpoint bundles none; set CLONECAST_CODEC"
-                )
-        except BaseException:
-            worker.stop()
-            raise
-        old, self.worker = self.worker, worker
-        if old is not None:
-            old.stop()
-        self.metrics.set_build(VERSION, worker.info, self.model_info()["name"])
+    @property
+    def worker(self) -> EngineClient | None:
+        """An engine's client for what every engine answers alike (text checks, model)."""
+        return self.engines.primary
 
-    def _engine_exited(self, reason: str) -> None:
-        """The engine client's reader thread: its engine died (not stopped by us)."""
-        if self.loop is not None:
-            self.loop.call_soon_threadsafe(self.supervisor.engine_exited, reason)
+    @property
+    def engine(self) -> Engine | None:
+        """The first engine's object when it runs in a thread of this process."""
+        return self.engines.slots[0].engine
+
+    @property
+    def is_ready(self) -> bool:
+        """Serving: loaded, not draining, and at least one engine ready."""
+        return (
+            self.loaded
+            and not self.draining
+            and self.load_error is None
+            and self.engines.num_ready > 0
+        )
 
     def give_up(self, reason: str) -> None:
         """The server cannot serve any more: say why once and stop (the CLI exits 1)."""
         self.load_error = reason
-        self.is_ready = False
         log.error("clonecast cannot serve: %s", reason)
         if self.on_load_failed is not None:
             self.on_load_failed()
@@ -171,8 +147,8 @@ class Services:
             return "draining", "the server is shutting down: connect again (to another server)"
         if self.load_error is not None:
             return "not_ready", f"the server cannot serve: {self.load_error}"
-        if not (self.is_ready and self.worker.alive):
-            if self.supervisor.policy.max_attempts == 0:
+        if not self.is_ready:
+            if not self.engines.restarts_enabled:
                 return (
                     "not_ready",
                     "the engine has stopped and restarts are off: restart the server",
@@ -180,10 +156,21 @@ class Services:
             return "not_ready", "the engine is restarting: retry shortly"
         return None
 
-    def _engine_config(self) -> EngineConfig:
+    def _engine_spec(self, device: str) -> EngineSpec:
+        return EngineSpec(
+            self.settings.model,
+            self._engine_config(device),
+            self.settings.codec,
+            self.settings.cache_dir,
+            self.settings.gil_switch_ms,
+            logging.getLogger("clonecast").getEffectiveLevel(),
+            self.settings.profile,
+        )
+
+    def _engine_config(self, device: str) -> EngineConfig:
         backend = self.settings.attention_backend
         return EngineConfig(
-            device=_device(self.settings.device),
+            device=device,
             max_num_seqs=self.settings.max_num_seqs,
             max_num_batched_tokens=max(512, self.settings.max_num_seqs),
             enforce_eager=not self.settings.cuda_graphs,
@@ -208,8 +195,9 @@ class Services:
             self.progress = "registering the preloaded voices"
             await self.preload_voices()
             self.progress = "warming up"
-            await self.warm_up()
-            self.supervisor.engine_started()
+            await self.engines.warm_up_all()
+            self._settle()
+            self.loaded, self.progress = True, "ready"
             log.info("clonecast ready: %s", self.model_info()["name"])
         except asyncio.CancelledError:
             raise
@@ -222,30 +210,13 @@ class Services:
             if self.on_load_failed is not None:
                 self.on_load_failed()
 
-    async def warm_up(self) -> None:
-        """One short request end to end, so the first client does not pay for lazy set-up."""
-        loop = asyncio.get_running_loop()
-        done = loop.create_future()
-
-        def sink(out):
-            if isinstance(out, BaseException) or out.finished:
-                loop.call_soon_threadsafe(lambda: done.done() or done.set_result(out))
-
-        params = SamplingParams(seed=0, max_rows=24)
-        await asyncio.wrap_future(self.worker.submit("warm-up", "Warming up.", None, params, sink))
-        result = await done
-        if isinstance(result, BaseException):
-            raise result
-        self.metrics.update_engine(self.worker.stats)
+    def _settle(self) -> None:
         settle_garbage_collector()
         # The event loop shares the interpreter lock with this process's other threads (the
-        # engine's events reader, or the engine thread itself when it runs in-process): with
+        # engines' events readers, or an engine thread itself when it runs in-process): with
         # Python's 5 ms switch interval every socket operation could wait up to 5 ms behind
         # them (a convoy that delays requests and audio).
         sys.setswitchinterval(self.settings.gil_switch_ms / 1000)
-        self.loaded = True
-        if not self.draining:
-            self.is_ready, self.progress = True, "ready"
 
     async def create_voice(
         self,
@@ -270,8 +241,8 @@ class Services:
             if (name and existing.name != name) or (keep and not existing.kept):
                 existing = self.voices.put(voice_id, existing.reference, name, keep, owner)
             return existing, True
-        reference = await asyncio.wrap_future(self.worker.encode_reference(data, transcript))
-        self.metrics.update_engine(self.worker.stats)
+        encoder = self.engines.least_loaded() or self.worker
+        reference = await asyncio.wrap_future(encoder.encode_reference(data, transcript))
         return self.voices.put(voice_id, reference, name, keep, owner), False
 
     async def preload_voices(self) -> None:
@@ -311,8 +282,7 @@ class Services:
         }
 
     def stop(self) -> None:
-        if self.worker is not None:
-            self.worker.stop()
+        self.engines.stop()
         if self.voices.db is not None:
             self.voices.db.close()
 
@@ -327,8 +297,11 @@ def _key_ring(settings: ServiceSettings) -> KeyRing:
         raise ConfigError(str(exc)) from exc
 
 
-def _device(requested: str | None) -> str:
-    return requested or default_device()
+def _devices(settings: ServiceSettings) -> list[str]:
+    """One engine per device of CLONECAST_DEVICES, else CLONECAST_ENGINES on one device."""
+    if settings.devices:
+        return list(settings.devices)
+    return [settings.device or default_device()] * settings.engines
 
 
 def create_app(settings: ServiceSettings | None = None, engine: Engine | None = None) -> Starlette:
@@ -348,7 +321,7 @@ def create_app(settings: ServiceSettings | None = None, engine: Engine | None = 
             loading.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await loading
-            await services.supervisor.stop()
+            await services.engines.stop_supervisors()
             services.stop()
 
     routes = [

@@ -185,6 +185,10 @@ def serve(args: argparse.Namespace) -> int:
         model=args.model,
         codec=args.codec,
         device=args.device,
+        devices=tuple(d.strip() for d in args.devices.split(",") if d.strip())
+        if args.devices
+        else None,
+        engines=args.engines,
         host=args.host,
         port=args.port,
         max_num_seqs=args.max_num_seqs,
@@ -268,6 +272,14 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--model", help="checkpoint dir or hub id (default: embedded default model)")
     v.add_argument("--codec", help="standalone Higgs audio tokenizer (default: the bundled one)")
     v.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    v.add_argument(
+        "--devices",
+        metavar="LIST",
+        help="one engine on each of these devices, e.g. cuda:0,cuda:1 (default: one engine)",
+    )
+    v.add_argument(
+        "--engines", type=int, metavar="N", help="N engines on --device (default 1; on the CPU)"
+    )
     v.add_argument("--host", help="bind address (default 127.0.0.1)")
     v.add_argument("--port", type=int, help="port (default 8737)")
     v.add_argument("--max-num-seqs", type=int, help="requests decoded together (default 64)")

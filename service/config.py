@@ -6,6 +6,13 @@ variables (all named CLONECAST_*).
 | CLONECAST_MODEL | checkpoint dir or hub id (unset: the embedded default model) |
 | CLONECAST_CODEC | standalone Higgs audio tokenizer dir (unset: the checkpoint's bundled codec) |
 | CLONECAST_DEVICE | cpu / cuda (unset: cuda when available) |
+| CLONECAST_DEVICES | comma-separated devices, one engine on each (`cuda:0,cuda:1`): the |
+|  | server routes utterances between them (unset: one engine on CLONECAST_DEVICE) |
+| CLONECAST_ENGINES | engines on CLONECAST_DEVICE when CLONECAST_DEVICES is unset (1; several |
+|  | on the CPU, or to share one large GPU) |
+| CLONECAST_AFFINITY_SLACK | an utterance goes to the engine that served its voice last (its |
+|  | prompt prefix is cached there) unless it runs this many more requests than the least |
+|  | loaded (4; 0: least loaded always wins ties only) |
 | CLONECAST_CACHE_DIR | where the default model is written (unset: ~/.cache/clonecast) |
 | CLONECAST_HOST, CLONECAST_PORT | bind address (127.0.0.1, 8737) |
 | CLONECAST_API_KEYS | comma-separated keys; unset: no authentication. Each key sees only |
@@ -114,6 +121,9 @@ class ServiceSettings:
     model: str | None = None
     codec: str | None = None
     device: str | None = None
+    devices: tuple[str, ...] = ()  # one engine per device (service/engines.py)
+    engines: int = 1  # engines on `device` when `devices` is empty
+    affinity_slack: int = 4  # service/engine_router.py RoutingPolicy
     cache_dir: Path | None = None
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
@@ -148,6 +158,16 @@ class ServiceSettings:
     profile: tuple[int, int, str, str, int] | None = None
     limits: Limits = field(default_factory=Limits)
 
+    def __post_init__(self) -> None:
+        if self.engines < 1:
+            raise ValueError("CLONECAST_ENGINES must be >= 1")
+        if self.devices and self.engines != 1 and self.engines != len(self.devices):
+            raise ValueError(
+                "give CLONECAST_DEVICES (one engine each) or CLONECAST_ENGINES, not both"
+            )
+        if self.affinity_slack < 0:
+            raise ValueError("CLONECAST_AFFINITY_SLACK must be >= 0")
+
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides) -> ServiceSettings:
         """From `env` (default: the process environment); `overrides` that are not None win."""
@@ -156,6 +176,11 @@ class ServiceSettings:
             model=env.get("CLONECAST_MODEL") or None,
             codec=env.get("CLONECAST_CODEC") or None,
             device=env.get("CLONECAST_DEVICE") or None,
+            devices=_split(env.get("CLONECAST_DEVICES")),
+            engines=_count("CLONECAST_ENGINES", env.get("CLONECAST_ENGINES", "1")),
+            affinity_slack=_count(
+                "CLONECAST_AFFINITY_SLACK", env.get("CLONECAST_AFFINITY_SLACK", "4")
+            ),
             cache_dir=Path(env["CLONECAST_CACHE_DIR"]) if env.get("CLONECAST_CACHE_DIR") else None,
             host=env.get("CLONECAST_HOST", "127.0.0.1"),
             port=int(env.get("CLONECAST_PORT", DEFAULT_PORT)),
@@ -197,6 +222,9 @@ VARIABLES = (
     "CLONECAST_MODEL",
     "CLONECAST_CODEC",
     "CLONECAST_DEVICE",
+    "CLONECAST_DEVICES",
+    "CLONECAST_ENGINES",
+    "CLONECAST_AFFINITY_SLACK",
     "CLONECAST_CACHE_DIR",
     "CLONECAST_HOST",
     "CLONECAST_PORT",

@@ -20,7 +20,7 @@ FLUSH_S = 2.0  # at most this long for the last messages to reach the clients
 
 async def drain(services, timeout_s: float) -> None:
     """Stops taking work and waits for the running utterances (at most `timeout_s`)."""
-    services.draining, services.is_ready = True, False
+    services.draining = True  # /ready turns 503 with it
     services.progress = "draining: the server is shutting down"
     loop = asyncio.get_running_loop()
     running = len(services.utterances)

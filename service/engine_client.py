@@ -49,6 +49,9 @@ from service.engine_channel import (
 from service.engine_host import EngineSpec, process_main, thread_main
 
 log = logging.getLogger("clonecast.engine_client")
+# Engines start in parallel threads, and transformers' lazy imports are not thread-safe (two
+# first imports at once: "cannot import name 'AutoTokenizer'").
+_TOKENIZER_LOCK = threading.Lock()
 
 
 class _ProcessTransport:
@@ -191,9 +194,10 @@ class EngineClient:
             assert isinstance(message, Ready), message
             self.info, self._stats = message.info, message.stats
             break
-        self._check = TextChecker.from_checkpoint(
-            Path(self.info.checkpoint), self.info.max_model_len
-        )
+        with _TOKENIZER_LOCK:
+            self._check = TextChecker.from_checkpoint(
+                Path(self.info.checkpoint), self.info.max_model_len
+            )
         self._reader.start()
 
     def stop(self) -> None:
@@ -237,6 +241,12 @@ class EngineClient:
     @property
     def num_running(self) -> int:
         return self._stats.num_running if self._stats else 0
+
+    @property
+    def in_flight(self) -> int:
+        """Requests submitted through this client and not ended yet (counted at once, not
+        from the engine's statistics)."""
+        return len(self._wire)
 
     def has_unfinished(self) -> bool:
         """As of the last statistics (at most a poll interval old when idle)."""

@@ -38,12 +38,13 @@ class RestartPolicy:
 
 
 class EngineSupervisor:
-    """`services` provides `start_engine()` (blocking: a new engine client, started),
-    `warm_up()` (async: one request through it, then ready), `give_up(reason)`, `metrics`
-    and the flags `stopping` / `draining` / `is_ready` / `progress`."""
+    """Supervises the engine of one slot. `owner` (service/engines.py) provides
+    `start(slot)` (blocking: a new engine client, started), `warm_up(slot)` (async: one
+    request through it, then ready), `give_up(slot, reason)`, `metrics`, `progress` and the
+    flags `stopping` / `draining`."""
 
-    def __init__(self, services, policy: RestartPolicy, clock=time.monotonic):
-        self.services, self.policy, self.clock = services, policy, clock
+    def __init__(self, owner, slot, policy: RestartPolicy, clock=time.monotonic):
+        self.owner, self.slot, self.policy, self.clock = owner, slot, policy, clock
         self.attempts = 0  # restarts in a row so far
         self.started_at = clock()
         self.task: asyncio.Task | None = None
@@ -54,12 +55,11 @@ class EngineSupervisor:
 
     def engine_exited(self, reason: str) -> None:
         """On the event loop, once the engine is gone (its requests have already failed)."""
-        services = self.services
-        if services.stopping or services.draining or self.restarting:
+        owner = self.owner
+        if owner.stopping or owner.draining or self.restarting:
             return
-        services.is_ready = False
         if self.policy.max_attempts == 0:
-            services.progress = f"{reason}; restarts are off (CLONECAST_ENGINE_RESTARTS=0)"
+            owner.progress = f"{reason}; restarts are off (CLONECAST_ENGINE_RESTARTS=0)"
             return
         if self.clock() - self.started_at >= self.policy.stable_s:
             self.attempts = 0
@@ -67,34 +67,36 @@ class EngineSupervisor:
         self.task = asyncio.get_running_loop().create_task(self._restart(reason))
 
     async def _restart(self, reason: str) -> None:
-        services, policy = self.services, self.policy
+        owner, policy = self.owner, self.policy
         try:
             while True:
                 if self.attempts >= policy.max_attempts:
-                    services.give_up(
-                        f"the engine failed {self.attempts} restarts in a row; last: {reason}"
+                    owner.give_up(
+                        self.slot,
+                        f"the engine failed {self.attempts} restarts in a row; last: {reason}",
                     )
                     return
                 self.attempts += 1
                 delay = policy.delay(self.attempts)
-                services.progress = (
+                owner.progress = (
                     f"restarting the engine (attempt {self.attempts} of {policy.max_attempts}, "
                     f"in {delay:.0f} s) after: {reason}"
                 )
                 log.error("%s: restarting it in %.1f s", reason, delay)
                 await asyncio.sleep(delay)
-                if services.stopping or services.draining:
+                if owner.stopping or owner.draining:
                     return
                 try:
-                    await asyncio.get_running_loop().run_in_executor(None, services.start_engine)
-                    await services.warm_up()
+                    loop = asyncio.get_running_loop()
+                    await loop.run_in_executor(None, owner.start, self.slot)
+                    await owner.warm_up(self.slot)
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:
                     reason = f"the restarted engine failed: {exc}"
                     continue
                 self.engine_started()
-                services.metrics.engine_restarts.inc()
+                owner.metrics.engine(self.slot.index).restarts.inc()
                 log.warning("the engine is serving again (restart %d)", self.attempts)
                 return
         finally:

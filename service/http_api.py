@@ -94,9 +94,9 @@ async def health(request: Request) -> Response:
         return JSONResponse({"status": "failed", "error": services.load_error}, status_code=503)
     if services.draining:
         return JSONResponse({"status": "draining"})
-    worker = services.worker
-    if services.loaded and (services.supervisor.restarting or not worker.alive):
-        if services.supervisor.policy.max_attempts == 0:
+    engines = services.engines
+    if services.loaded and engines.num_ready == 0:  # every engine died
+        if not engines.restarts_enabled:
             return JSONResponse({"status": "engine_exited"}, status_code=503)
         return JSONResponse({"status": "restarting", "progress": services.progress})
     return JSONResponse({"status": "ok" if services.is_ready else "loading"})
@@ -119,15 +119,19 @@ async def ready(request: Request) -> Response:
         body = {"code": refusal[0], "message": refusal[1]}
         return JSONResponse({"error": body, "progress": services.progress}, status_code=503)
     plan = services.worker.info.plan  # how the engine runs on its device
-    return JSONResponse({"status": "ready", "model": services.model_info(), "plan": plan})
+    engines = {"ready": services.engines.num_ready, "total": len(services.engines.slots)}
+    return JSONResponse(
+        {"status": "ready", "model": services.model_info(), "plan": plan, "engines": engines}
+    )
 
 
 async def metrics(request: Request) -> Response:
     services = services_of(request)
-    worker = services.worker
-    if worker is not None and worker.stats is not None:
-        services.metrics.update_engine(worker.stats)
-    services.metrics.engine_up.set(int(worker is not None and worker.alive))
+    for slot in services.engines.slots:
+        series, client = services.metrics.engine(slot.index), slot.client
+        if client is not None and client.stats is not None:
+            series.update(client.stats)
+        series.up.set(int(client is not None and client.alive))
     return Response(services.metrics.render(), media_type="text/plain; version=0.0.4")
 
 

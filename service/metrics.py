@@ -66,6 +66,8 @@ OUTCOMES = ("eos", "length", "cancelled", "disconnected", "error")
 # the client was lost (any other close, or sending to it failed), it idled out, or it went on
 # sending over its message rate after being told (closed with 1008).
 CLOSE_REASONS = ("client_closed", "client_lost", "idle_timeout", "rate_limited")
+# Why an utterance went to its engine (service/engine_router.py).
+ROUTE_REASONS = ("affinity", "least_loaded")
 
 
 class _Total:
@@ -178,16 +180,27 @@ class Metrics:
         for reason in CLOSE_REASONS:
             self.closes.labels(reason)
         # -- the engine ---------------------------------------------------------------------
+        # `engine`: which of the server's engines (0, 1, ...: CLONECAST_DEVICES / ENGINES)
+        e = ["engine"]
         self.engine_up = Gauge(
-            p + "engine_up", "1 while the engine (its process or thread) runs, else 0", registry=r
-        )
+            p + "engine_up", "1 while the engine (its process or thread) runs, else 0", e,
+            registry=r,
+        )  # fmt: skip
         self.engine_restarts = Counter(
             p + "engine_restarts",
             "Engines started again after the engine died (service/engine_supervisor.py)",
+            e,
             registry=r,
         )
-        self.running = Gauge(p + "num_requests_running", "Engine requests running", registry=r)
-        self.waiting = Gauge(p + "num_requests_waiting", "Engine requests waiting", registry=r)
+        self.routed = Counter(
+            p + "engine_routed",
+            "Utterances sent to each engine, by why: affinity (it holds the voice's prefix) "
+            "or least_loaded",
+            ["engine", "reason"],
+            registry=r,
+        )
+        self.running = Gauge(p + "num_requests_running", "Engine requests running", e, registry=r)
+        self.waiting = Gauge(p + "num_requests_waiting", "Engine requests waiting", e, registry=r)
         self.queue = Histogram(
             p + "queue_time_seconds",
             "A request's arrival in the engine to its first scheduled step",
@@ -198,7 +211,7 @@ class Metrics:
             p + "engine_step_seconds",
             "Duration of one engine step by what it launched: prefill, decode, mixed, "
             "readback (budget: 0.04 s)",
-            ["kind"],
+            ["kind", "engine"],
             buckets=STEP_BUCKETS,
             registry=r,
         )
@@ -214,14 +227,10 @@ class Metrics:
             buckets=TOKEN_BUCKETS,
             registry=r,
         )
-        for kind in STEP_KINDS:
-            self.step.labels(kind)
-        self.rows = _Total(
-            Counter(
-                p + "engine_rows",
-                "Rows sampled by the engine (one per decoding request and step; 40 ms of audio)",
-                registry=r,
-            )
+        self.rows = Counter(
+            p + "engine_rows",
+            "Rows sampled by the engine (one per decoding request and step; 40 ms of audio)",
+            registry=r,
         )
         phase = Counter(
             p + "engine_phase_seconds",
@@ -229,28 +238,24 @@ class Metrics:
             ["phase"],
             registry=r,
         )
-        self._phases = [_Total(phase.labels(name)) for name in STEP_PHASES]
-        self.prefill_tokens = _Total(
-            Counter(
-                p + "prefill_tokens",
-                "Prompt positions computed by the engine (prefix-cache hits excluded)",
-                registry=r,
-            )
+        self._phase_children = [phase.labels(name) for name in STEP_PHASES]
+        self.prefill_tokens = Counter(
+            p + "prefill_tokens",
+            "Prompt positions computed by the engine (prefix-cache hits excluded)",
+            registry=r,
         )
-        self.prefix_hit_tokens = _Total(
-            Counter(
-                p + "prefix_cache_hit_tokens",
-                "Prompt positions taken from the prefix cache instead of computed",
-                registry=r,
-            )
+        self.prefix_hit_tokens = Counter(
+            p + "prefix_cache_hit_tokens",
+            "Prompt positions taken from the prefix cache instead of computed",
+            registry=r,
         )
-        self.preemptions = _Total(
-            Counter(p + "preemptions", "Requests preempted for want of KV cache blocks", registry=r)
+        self.preemptions = Counter(
+            p + "preemptions", "Requests preempted for want of KV cache blocks", registry=r
         )
         self.kv_usage = Gauge(
-            p + "kv_cache_usage_perc", "Fraction of KV cache blocks in use", registry=r
+            p + "kv_cache_usage_perc", "Fraction of KV cache blocks in use", e, registry=r
         )
-        self.kv_free = Gauge(p + "kv_cache_free_blocks", "Free KV cache blocks", registry=r)
+        self.kv_free = Gauge(p + "kv_cache_free_blocks", "Free KV cache blocks", e, registry=r)
         self.codec_batch = Histogram(
             p + "codec_batch_seconds",
             "A codec batch's submission to its audio read back",
@@ -260,23 +265,20 @@ class Metrics:
         self.codec_windows = Counter(
             p + "codec_windows", "Chunk windows decoded by the codec", registry=r
         )
-        self.voice_hits = _Total(
-            Counter(
-                p + "voice_cache_hits",
-                "Reference recordings whose codes came from the voice cache",
-                registry=r,
-            )
+        self.voice_hits = Counter(
+            p + "voice_cache_hits",
+            "Reference recordings whose codes came from the voice cache",
+            registry=r,
         )
-        self.voice_misses = _Total(
-            Counter(
-                p + "voice_cache_misses",
-                "Reference recordings encoded by the codec (not in the voice cache)",
-                registry=r,
-            )
+        self.voice_misses = Counter(
+            p + "voice_cache_misses",
+            "Reference recordings encoded by the codec (not in the voice cache)",
+            registry=r,
         )
         self.voice_cache_bytes = Gauge(
             p + "voice_cache_bytes",
             "Bytes of encoded references the engine's voice cache holds (bounded, LRU)",
+            e,
             registry=r,
         )
         self.capture_memory = Gauge(
@@ -292,6 +294,8 @@ class Metrics:
             self.capture_seconds.labels(family)
             for kind in ("allocated", "reserved"):
                 self.capture_memory.labels(family, kind)
+        self._engines: dict[int, EngineMetrics] = {}
+        self._engines_lock = threading.Lock()
 
     def key_refused(self, name: str, limit: str) -> None:
         self.key_rate_limited.labels(name, limit).inc()
@@ -312,36 +316,64 @@ class Metrics:
             self.capture_memory.labels(report.family, "allocated").set(report.allocated_bytes)
             self.capture_memory.labels(report.family, "reserved").set(report.reserved_bytes)
 
-    def observe_steps(self, observed, stats) -> None:
-        """A report of engine steps (the reader thread of the engine's events only)."""
-        for seconds, shape in observed.steps:
-            self.step.labels(shape.kind).observe(seconds)
-            if shape.requests:
-                self.batch.observe(shape.requests)
-                self.step_tokens.observe(shape.tokens)
-        for seconds in observed.queue_seconds:
-            self.queue.observe(seconds)
-        for seconds, windows in observed.codec_batches:
-            self.codec_batch.observe(seconds)
-            self.codec_windows.inc(windows)
-        self.rows.update(stats.num_rows_generated)
-        for child, total in zip(self._phases, stats.phase_seconds_total, strict=True):
-            child.update(total)
-        self.update_engine(stats)
+    def engine(self, index: int) -> EngineMetrics:
+        """The series of engine `index` (made once; its series exist from then on)."""
+        with self._engines_lock:
+            if index not in self._engines:
+                self._engines[index] = EngineMetrics(self, index)
+            return self._engines[index]
 
-    def update_engine(self, stats) -> None:
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class EngineMetrics:
+    """One engine's view of the server's metrics: its labelled series, and its own record of
+    the running totals it reports (each engine counts from 0, and again after a restart)."""
+
+    def __init__(self, metrics: Metrics, index: int) -> None:
+        m, label = metrics, str(index)
+        self.m, self.label = m, label
+        self.up = m.engine_up.labels(label)
+        self.restarts = m.engine_restarts.labels(label)
+        self.running, self.waiting = m.running.labels(label), m.waiting.labels(label)
+        self.kv_free, self.kv_usage = m.kv_free.labels(label), m.kv_usage.labels(label)
+        self.voice_cache_bytes = m.voice_cache_bytes.labels(label)
+        self.step = {kind: m.step.labels(kind, label) for kind in STEP_KINDS}
+        self.routed = {reason: m.routed.labels(label, reason) for reason in ROUTE_REASONS}
+        names = ("rows", "prefill_tokens", "prefix_hit_tokens", "preemptions")
+        self.totals = {name: _Total(getattr(m, name)) for name in names}
+        self.voice_hits, self.voice_misses = _Total(m.voice_hits), _Total(m.voice_misses)
+        self.phases = [_Total(child) for child in m._phase_children]
+
+    def observe_steps(self, observed, stats) -> None:
+        """A report of engine steps (the reader thread of this engine's events only)."""
+        m = self.m
+        for seconds, shape in observed.steps:
+            self.step[shape.kind].observe(seconds)
+            if shape.requests:
+                m.batch.observe(shape.requests)
+                m.step_tokens.observe(shape.tokens)
+        for seconds in observed.queue_seconds:
+            m.queue.observe(seconds)
+        for seconds, windows in observed.codec_batches:
+            m.codec_batch.observe(seconds)
+            m.codec_windows.inc(windows)
+        self.totals["rows"].update(stats.num_rows_generated)
+        for child, total in zip(self.phases, stats.phase_seconds_total, strict=True):
+            child.update(total)
+        self.update(stats)
+
+    def update(self, stats) -> None:
         """The engine's state (gauges) and its running totals. Called from the events reader
         and the event loop (a snapshot: no lock is held across the engine)."""
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.kv_free.set(stats.num_free_kv_blocks)
         self.kv_usage.set(1.0 - stats.num_free_kv_blocks / max(1, stats.num_kv_blocks))
-        self.prefill_tokens.update(stats.num_prefill_tokens_computed)
-        self.prefix_hit_tokens.update(stats.num_prefix_cached_tokens)
-        self.preemptions.update(stats.num_preemptions)
+        self.totals["prefill_tokens"].update(stats.num_prefill_tokens_computed)
+        self.totals["prefix_hit_tokens"].update(stats.num_prefix_cached_tokens)
+        self.totals["preemptions"].update(stats.num_preemptions)
         self.voice_hits.update(stats.num_voice_cache_hits)
         self.voice_misses.update(stats.num_voice_encodes)
         self.voice_cache_bytes.set(stats.num_voice_cache_bytes)
-
-    def render(self) -> bytes:
-        return generate_latest(self.registry)

@@ -307,7 +307,7 @@ class Session:
             )
         if (refusal := self.services.refusal()) is not None:  # draining, engine restarting
             raise ProtocolError(*refusal, uid)
-        if self.services.worker.num_waiting >= self.limits.max_waiting_requests:
+        if self.services.engines.num_waiting >= self.limits.max_waiting_requests:
             raise ProtocolError("over_capacity", "the server is at capacity: retry shortly", uid)
         params, fmt = parse_params(
             message.get("params"), message.get("output"), uid, self.services.default_max_s
@@ -319,15 +319,19 @@ class Session:
             if found is None:
                 raise ProtocolError("unknown_voice", f"no voice {voice_id!r}: create it first", uid)
             voice = found.reference
+        # an inline voice's engine is chosen once the voice is known (_voice_then_start)
+        inline = voice_id is None and message.get("voice") is not None
+        engine = self.services.worker if inline else self.services.engines.pick(voice_id)
+        if engine is None:
+            raise ProtocolError("not_ready", "no engine is ready: retry shortly", uid)
         try:  # last: nothing below refuses, and every end releases it (_forget)
             lease = self.services.key_limits.admit(self.caller.name)
         except RateLimited as exc:
             raise ProtocolError(
                 "rate_limited", str(exc), uid, retry_after_s=exc.retry_after_s
             ) from exc
-        worker, loop = self.services.worker, self.loop
         tag, registry = f"{self.id}/{uid}", self.services.utterances
-        utt = Utterance(uid, voice, params, fmt, flushed, worker, loop, self, tag, registry)
+        utt = Utterance(uid, voice, params, fmt, flushed, engine, self.loop, self, tag, registry)
         utt.voice_id = voice_id
         log_format = self.services.settings.log_format
         utt.report = UtteranceReport(
@@ -377,6 +381,8 @@ class Session:
         if utt.state is not State.RUNNING:
             return  # cancelled while the voice was encoding
         utt.voice, utt.voice_id, utt.ready = voice.reference, voice.voice_id, True
+        # nothing was submitted yet: the engine that holds this voice's prefix, if any
+        utt.engine = self.services.engines.pick(voice.voice_id) or utt.engine
         try:  # the segments so far were checked without the voice (prompt length with it)
             self._checked(utt, utt.check_texts, [seg.text for seg in utt.segments])
         except ProtocolError as exc:

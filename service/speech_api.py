@@ -94,8 +94,11 @@ async def speech(request: Request) -> Response:
         job = _speech_job(body, services, caller)
     except ConfigError as exc:
         return error(request, getattr(exc, "code", "bad_parameter"), str(exc))
-    if services.worker.num_waiting >= services.settings.limits.max_waiting_requests:
+    if services.engines.num_waiting >= services.settings.limits.max_waiting_requests:
         return error(request, "over_capacity", "the server is at capacity: retry shortly")
+    job["engine"] = services.engines.pick(job["voice_id"])
+    if job["engine"] is None:  # every engine died since the check above
+        return error(request, "not_ready", "no engine is ready: retry shortly")
     try:
         job["lease"] = services.key_limits.admit(caller.name)
     except RateLimited as exc:
@@ -283,7 +286,7 @@ async def _generate(services, job: dict, container: ContainerEncoder | None = No
     uid = f"http-{uuid.uuid4().hex[:12]}"
     loop = asyncio.get_running_loop()
     utt = Utterance(
-        uid, job["reference"], job["params"], job["format"], True, services.worker, loop,
+        uid, job["reference"], job["params"], job["format"], True, job["engine"], loop,
         collector, uid, services.utterances,
     )  # fmt: skip
     utt.voice_id = job["voice_id"]

@@ -134,7 +134,11 @@ class Utterance:
         self.buffered_bytes = 0  # queued for the transport, not yet sent
         self.stats = Stats()
         self.text_chars = 0
-        self._engine, self._loop, self._listener = engine, loop, listener
+        self.engine, self._loop, self._listener = (
+            engine,
+            loop,
+            listener,
+        )  # engine: settable until a segment is submitted
         self.tag = tag
         self._prefix = f"{tag}/{uuid.uuid4().hex[:8]}"  # engine request ids of its segments
         self.voice_id: str | None = None  # the server's id of its voice, for reports
@@ -153,7 +157,7 @@ class Utterance:
 
     def check_texts(self, texts: list[str]) -> None:
         for text in texts:
-            self._engine.check_text(text, self.voice)
+            self.engine.check_text(text, self.voice)
 
     # -- the engine --------------------------------------------------------------------------
 
@@ -162,7 +166,7 @@ class Utterance:
         every segment was heard."""
         for seg in self.to_submit():
             seg.request_id = f"{self._prefix}/{seg.index}"
-            future = self._engine.submit(
+            future = self.engine.submit(
                 seg.request_id, seg.text, self.voice, self.params, self._sink(seg)
             )
             future.add_done_callback(lambda f, seg=seg: self._submitted(f, seg))
@@ -185,7 +189,7 @@ class Utterance:
         self.state = state
         self._registry.discard(self)
         for request_id in self.active_request_ids():
-            self._engine.abort(request_id)
+            self.engine.abort(request_id)
 
     def _sink(self, seg: Segment):
         def deliver(out: RequestOutput | BaseException) -> None:  # the engine's thread

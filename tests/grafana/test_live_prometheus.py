@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 
 import httpx
-import yaml
 import pytest
 import yaml
 

@@ -317,15 +317,16 @@ def wait_engine_idle(server, timeout: float = 15.0) -> dict[str, float]:
     while True:
         m = scrape(server)
         idle = (
-            m["clonecast_num_requests_running"] == 0
-            and m["clonecast_num_requests_waiting"] == 0
-            and m["clonecast_kv_cache_free_blocks"] == total
+            summed(m, "clonecast_num_requests_running") == 0
+            and summed(m, "clonecast_num_requests_waiting") == 0
+            and summed(m, "clonecast_kv_cache_free_blocks") == total
         )
         if idle:
             return m
         assert time.monotonic() < deadline, (
-            f"engine not idle after {timeout} s: running {m['clonecast_num_requests_running']}, "
-            f"free blocks {m['clonecast_kv_cache_free_blocks']} of {total}"
+            f"engine not idle after {timeout} s: running "
+            f"{summed(m, 'clonecast_num_requests_running')}, "
+            f"free blocks {summed(m, 'clonecast_kv_cache_free_blocks')} of {total}"
         )
         time.sleep(0.1)
 

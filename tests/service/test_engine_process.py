@@ -141,7 +141,7 @@ def test_a_dead_engine_process_fails_requests_and_readiness(make_server):
     server = make_server(extra={"engine_restarts": 0})
     worker = server.services.worker
     assert httpx.get(server.http + "/ready", timeout=10).status_code == 200
-    assert scrape(server)["clonecast_engine_up"] == 1
+    assert summed(scrape(server), "clonecast_engine_up") == 1
     got = threading.Event()
     seen = []
 
@@ -157,7 +157,7 @@ def test_a_dead_engine_process_fails_requests_and_readiness(make_server):
     assert r.status_code == 503 and "restart" in r.json()["error"]["message"]
     r = httpx.get(server.http + "/health", timeout=10)
     assert r.status_code == 503 and r.json()["status"] == "engine_exited"
-    assert scrape(server)["clonecast_engine_up"] == 0
+    assert summed(scrape(server), "clonecast_engine_up") == 0
     with pytest.raises(RuntimeError, match="engine process exited"):
         worker.submit("late", "hi", None, SamplingParams(max_rows=4), sink).result(timeout=5)
     r = httpx.post(
@@ -338,10 +338,10 @@ def test_a_model_that_cannot_load_fails_start_with_its_error(tmp_path):
 def test_a_checkpoint_without_a_codec_is_refused_and_its_engine_stopped(tiny_ckpt):
     """The service needs audio: a checkpoint that bundles no codec (and no CLONECAST_CODEC)
     fails start-up with a clear ConfigError, and the engine process it started is stopped."""
+    import multiprocessing
+
     from service.app import Services
     from service.config import ServiceSettings
-
-    import multiprocessing
 
     before = {p.pid for p in multiprocessing.active_children()}  # other tests' servers
     services = Services(ServiceSettings(model=str(tiny_ckpt), device="cpu"))

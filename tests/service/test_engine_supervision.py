@@ -25,6 +25,7 @@ from tests.service.conftest import (
     run,
     scrape,
     speak,
+    summed,
 )
 
 
@@ -55,7 +56,8 @@ def test_an_engine_that_served_long_enough_resets_the_count():
         is_ready, progress = True, "ready"
 
     now = [0.0]
-    supervisor = EngineSupervisor(FakeServices(), RestartPolicy(stable_s=60.0), lambda: now[0])
+    policy = RestartPolicy(stable_s=60.0)
+    supervisor = EngineSupervisor(FakeServices(), None, policy, lambda: now[0])
     supervisor.attempts = 4
 
     async def exit_at(t: float) -> int:
@@ -122,16 +124,17 @@ def test_kill_9_mid_stream_fails_only_what_was_in_flight_and_the_engine_comes_ba
     assert services.worker.pid not in (None, old_pid) and services.worker.alive
     assert _ready_status(server) == 200
     metrics = scrape(server)
-    assert metrics["clonecast_engine_restarts_total"] == 1
-    assert metrics["clonecast_engine_up"] == 1
+    assert summed(metrics, "clonecast_engine_restarts_total") == 1
+    assert summed(metrics, "clonecast_engine_up") == 1
 
 
 def test_a_request_while_the_engine_restarts_is_refused_with_not_ready(make_server):
     server = make_server()
     services = server.services
-    services.supervisor.policy = RestartPolicy(max_attempts=1, first_delay_s=3.0)
+    supervisor = services.engines.slots[0].supervisor
+    supervisor.policy = RestartPolicy(max_attempts=1, first_delay_s=3.0)
     os.kill(services.worker.pid, signal.SIGKILL)
-    _wait_for(lambda: services.supervisor.restarting, 20, "no restart began")
+    _wait_for(lambda: supervisor.restarting, 20, "no restart began")
     r = httpx.post(
         server.http + "/v1/audio/speech",
         json={"input": "too early", "max_duration_s": 0.4, "response_format": "pcm"},
@@ -153,21 +156,21 @@ def test_a_request_while_the_engine_restarts_is_refused_with_not_ready(make_serv
 def test_restarts_are_bounded_and_the_server_says_why_it_gave_up(make_server, monkeypatch):
     server = make_server()
     services = server.services
-    services.supervisor.policy = RestartPolicy(max_attempts=2, first_delay_s=0.1)
+    services.engines.slots[0].supervisor.policy = RestartPolicy(max_attempts=2, first_delay_s=0.1)
     gave_up = []
     services.on_load_failed = lambda: gave_up.append(services.load_error)
 
-    def broken_start():
+    def broken_start(slot):
         raise RuntimeError("no GPU left")
 
-    monkeypatch.setattr(services, "start_engine", broken_start)
+    monkeypatch.setattr(services.engines, "start", broken_start)
     os.kill(services.worker.pid, signal.SIGKILL)
     _wait_for(lambda: gave_up, 30, "the supervisor did not give up")
     assert "2 restarts in a row" in gave_up[0] and "no GPU left" in gave_up[0]
     r = httpx.get(server.http + "/health", timeout=10)
     assert r.status_code == 503 and r.json()["status"] == "failed"
     assert _ready_status(server) == 503
-    assert scrape(server)["clonecast_engine_restarts_total"] == 0
+    assert summed(scrape(server), "clonecast_engine_restarts_total") == 0
 
 
 async def _wait_ready_async(server, timeout: float = 180.0) -> None:

@@ -83,7 +83,7 @@ def test_metrics_exposition(server):
         edge = f'clonecast_time_to_first_audio_seconds_bucket{{le="0.32",transport="{transport}"}}'
         assert edge in text
     for kind in ("prefill", "decode", "mixed", "readback"):  # 40 ms: a frame's budget
-        assert f'clonecast_engine_step_seconds_bucket{{kind="{kind}",le="0.04"}}' in text
+        assert f'clonecast_engine_step_seconds_bucket{{engine="0",kind="{kind}",le="0.04"}}' in text
     for name in GAUGES:
         assert f"# TYPE {name} gauge" in text
     for name in ("clonecast_graph_capture_memory_bytes", "clonecast_graph_capture_seconds"):
@@ -117,9 +117,9 @@ def test_metrics_exposition(server):
         assert f"# TYPE {name}_total counter" in text
     m = scrape(server)
     total = server.services.worker.stats.num_kv_blocks
-    assert m["clonecast_kv_cache_free_blocks"] == total
-    assert m["clonecast_kv_cache_usage_perc"] == 0
-    assert m["clonecast_num_requests_running"] == 0
+    assert summed(m, "clonecast_kv_cache_free_blocks") == total
+    assert summed(m, "clonecast_kv_cache_usage_perc") == 0
+    assert summed(m, "clonecast_num_requests_running") == 0
 
 
 def test_metrics_count_a_websocket_utterance(server):
@@ -301,7 +301,7 @@ def test_streamed_speech_client_that_goes_away_frees_the_engine(server):
         assert r.status_code == 200
         chunks = r.iter_raw()  # kept referenced: dropping it would close the stream
         assert next(chunks)
-        assert scrape(server)["clonecast_num_requests_running"] == 1
+        assert summed(scrape(server), "clonecast_num_requests_running") == 1
     wait_engine_idle(server, timeout=10)
 
 

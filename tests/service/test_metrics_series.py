@@ -58,10 +58,10 @@ def test_steps_queue_prefill_and_codec_batches_are_observed(server):
     after = wait_engine_idle(server)
     assert _grew(before, after, "clonecast_queue_time_seconds_count") >= 2
     assert _grew(before, after, "clonecast_prefill_tokens_total") > 20  # two whole prompts
-    decode = 'clonecast_engine_step_seconds_count{kind="decode"}'
+    decode = 'clonecast_engine_step_seconds_count{engine="0",kind="decode"}'
     assert _grew(before, after, decode) >= 25  # 1 s of audio: at least 25 one-row steps
     launched = sum(
-        _grew(before, after, f'clonecast_engine_step_seconds_count{{kind="{kind}"}}')
+        _grew(before, after, f'clonecast_engine_step_seconds_count{{engine="0",kind="{kind}"}}')
         for kind in ("prefill", "decode", "mixed")
     )
     assert _grew(before, after, "clonecast_engine_batch_size_count") == launched

@@ -11,7 +11,7 @@ from service.config import ServiceSettings
 def _engine_config(settings):
     from service.app import Services
 
-    return Services(settings)._engine_config()
+    return Services(settings)._engine_config("cpu")
 
 
 def test_the_environment_variable_reaches_the_engine(monkeypatch):

@@ -29,7 +29,7 @@ def _engine_config(settings):
     """The engine configuration the service builds from `settings` (what start() uses)."""
     from service.app import Services
 
-    return Services(settings)._engine_config()
+    return Services(settings)._engine_config("cpu")
 
 
 def test_attention_backend_is_passed_to_the_engine(monkeypatch):
