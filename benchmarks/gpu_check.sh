@@ -24,6 +24,12 @@
 #   STEP_ARGS    extra arguments of the decode-step table (STEP=0 skips it)
 #   QUANT_ERR=1  FP8 weights against bf16: errors against fp32 and greedy agreement
 #                (benchmarks/quantization_error.py, QUANT_ERR_ARGS its arguments)
+#   SCALE="1 2 noaff" needs two GPUs (nvidia-h200-x2): the served protocol with one engine
+#                on cuda:0 (1), two on cuda:0,cuda:1 (2), two without voice affinity (noaff);
+#                SCALE_VOICES the pool (64; 1: one voice), SCALE_C (64,128,256,512), one
+#                start of SCALE_S s timed each; about 3-4 min a run, so two runs a call; then
+#                benchmarks/scaling_report.py's table (also runnable here on the fetched files)
+#   KILL=1       benchmarks/engine_kill.py on two GPUs: one engine killed under 64 streams
 # Each part has its own time limit, so one slow part cannot eat the whole call.
 set -uo pipefail
 export PYTHONPATH=$PWD:$PWD/clients/python PYTHONUNBUFFERED=1
@@ -106,6 +112,23 @@ if [ "${HOST:-0}" = 1 ]; then
   for c in 64 128; do
     timeout 100 python3 benchmarks/host_cost.py --model $CKPT --concurrency $c --gc-tuned --steps 80 2>&1 | grep -v Warn | tail -17
   done
+fi
+# SCALE="1 2 noaff": which of the runs (one engine; two; two without affinity) this call does
+for run in ${SCALE:-}; do
+  case $run in
+    1) devices=cuda:0; extra="" ;;
+    2) devices=cuda:0,cuda:1; extra="" ;;
+    noaff) devices=cuda:0,cuda:1; extra="CLONECAST_VOICE_AFFINITY=0" ;;
+  esac
+  env CLONECAST_DEVICES=$devices $extra timeout ${SCALE_LIMIT:-280} python3 benchmarks/serve_bench.py --model $CKPT --concurrency ${SCALE_C:-64,128,256,512} --timed-s ${SCALE_S:-10} --warmup 64 --starts 1 --max-num-seqs 256 --voices ${SCALE_VOICES:-64} --out "$OUT/scale-$run" > "$OUT/scale-$run.log" 2>&1
+  tail -20 "$OUT/scale-$run.log"
+done
+if [ -f "$OUT/scale-1/serve_bench.json" ] && [ -f "$OUT/scale-2/serve_bench.json" ]; then
+  noaff=""; [ -f "$OUT/scale-noaff/serve_bench.json" ] && noaff="--no-affinity $OUT/scale-noaff/serve_bench.json"
+  python3 benchmarks/scaling_report.py "$OUT/scale-1/serve_bench.json" "$OUT/scale-2/serve_bench.json" $noaff | tee "$OUT/scaling.txt"
+fi
+if [ "${KILL:-0}" = 1 ]; then
+  timeout 400 python3 benchmarks/engine_kill.py --serve-args "--devices cuda:0,cuda:1 --model $CKPT --max-num-seqs 256" --streams 64 --seconds 30 2>&1 | tee "$OUT/engine_kill.log" | tail -5
 fi
 if [ "${QUANT_ERR:-0}" = 1 ]; then
   timeout ${QUANT_ERR_LIMIT:-200} python3 benchmarks/quantization_error.py --ckpt $CKPT ${QUANT_ERR_ARGS:-} 2>&1 | tee "$OUT/quantization_error.log" | tail -8

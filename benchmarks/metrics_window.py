@@ -41,12 +41,13 @@ class RunningSampler:
             rows = math.nan
             steps = inside = under_20ms = 0.0
             phases: dict[str, float] = {}
+            running = waiting = 0.0  # summed over the server's engines
             for line in text.splitlines():
                 value = line.split()[-1] if line and not line.startswith("#") else None
-                if line.startswith("clonecast_num_requests_running "):
-                    self.values.append((now, float(value)))
-                elif line.startswith("clonecast_num_requests_waiting "):
-                    self.waiting.append((now, float(value)))
+                if line.startswith("clonecast_num_requests_running"):
+                    running += float(value)
+                elif line.startswith("clonecast_num_requests_waiting"):
+                    waiting += float(value)
                 elif line.startswith(_STEPS + "_count{"):
                     steps += float(value)
                 elif line.startswith(_STEPS + "_sum{"):
@@ -57,6 +58,8 @@ class RunningSampler:
                     phases[line.split('"')[1]] = float(value)
                 elif line.startswith(_STEPS + "_bucket{") and 'le="0.02"' in line:
                     under_20ms += float(value)
+            self.values.append((now, running))
+            self.waiting.append((now, waiting))
             self.counters.append((now, steps, rows, inside, under_20ms, phases))
 
     def stop(self, start: float, end: float) -> tuple[float, float]:

@@ -306,7 +306,7 @@ def server_counters(port: int) -> dict:
     steps' token counts (`tokens`: {bucket edge: steps at or below it}) from /metrics."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
     names = {v: k for k, v in COUNTERS.items()}
-    out: dict = {k: 0.0 for k in COUNTERS} | {"tokens": {}}
+    out: dict = {k: 0.0 for k in COUNTERS} | {"tokens": {}, "routed": {}}
     for line in text.splitlines():
         if not line or line.startswith("#"):
             continue
@@ -314,6 +314,9 @@ def server_counters(port: int) -> dict:
         name = series.split("{")[0]
         if name in names:
             out[names[name]] += float(value)
+        elif name == "clonecast_engine_routed_total":  # utterances per engine and reason
+            engine, reason = (series.split(f'{k}="')[1].split('"')[0] for k in ("engine", "reason"))
+            out["routed"][f"{engine}/{reason}"] = float(value)
         elif name == "clonecast_engine_step_tokens_bucket":
             edge = float(series.split('le="')[1].split('"')[0])
             out["tokens"][edge] = float(value)
@@ -323,6 +326,7 @@ def server_counters(port: int) -> dict:
 def delta(after: dict, before: dict) -> dict:
     grown = {k: after[k] - before[k] for k in COUNTERS}
     grown["tokens"] = {e: n - before["tokens"].get(e, 0.0) for e, n in after["tokens"].items()}
+    grown["routed"] = {k: n - before["routed"].get(k, 0.0) for k, n in after["routed"].items()}
     return grown
 
 
@@ -409,6 +413,7 @@ def bench_server(args, eager: bool, out: Path, num_voices: int, cold: bool = Fal
                 summary["prefill_per_request"] = grown["prefill"] / max(1.0, grown["queued"])
                 summary["voices"] = num_voices
                 summary["step_tokens"] = grown["tokens"]
+                summary["routed"] = grown["routed"]  # engine/reason -> utterances
                 summary["graph_buckets"] = buckets
                 print(
                     f"{num_voices} voices C={c} start {s + 1}: saturated window "

@@ -12,7 +12,9 @@ variables (all named CLONECAST_*).
 |  | on the CPU, or to share one large GPU) |
 | CLONECAST_AFFINITY_SLACK | an utterance goes to the engine that served its voice last (its |
 |  | prompt prefix is cached there) unless it runs this many more requests than the least |
-|  | loaded (4; 0: least loaded always wins ties only) |
+|  | loaded (4) |
+| CLONECAST_VOICE_AFFINITY | 1 (default): route by voice as above; 0: always the least loaded |
+|  | engine (a measure of what affinity brings) |
 | CLONECAST_CACHE_DIR | where the default model is written (unset: ~/.cache/clonecast) |
 | CLONECAST_HOST, CLONECAST_PORT | bind address (127.0.0.1, 8737) |
 | CLONECAST_API_KEYS | comma-separated keys; unset: no authentication. Each key sees only |
@@ -124,6 +126,7 @@ class ServiceSettings:
     devices: tuple[str, ...] = ()  # one engine per device (service/engines.py)
     engines: int = 1  # engines on `device` when `devices` is empty
     affinity_slack: int = 4  # service/engine_router.py RoutingPolicy
+    voice_affinity: bool = True
     cache_dir: Path | None = None
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
@@ -181,6 +184,7 @@ class ServiceSettings:
             affinity_slack=_count(
                 "CLONECAST_AFFINITY_SLACK", env.get("CLONECAST_AFFINITY_SLACK", "4")
             ),
+            voice_affinity=env.get("CLONECAST_VOICE_AFFINITY", "1") not in ("0", "false", "no"),
             cache_dir=Path(env["CLONECAST_CACHE_DIR"]) if env.get("CLONECAST_CACHE_DIR") else None,
             host=env.get("CLONECAST_HOST", "127.0.0.1"),
             port=int(env.get("CLONECAST_PORT", DEFAULT_PORT)),
@@ -225,6 +229,7 @@ VARIABLES = (
     "CLONECAST_DEVICES",
     "CLONECAST_ENGINES",
     "CLONECAST_AFFINITY_SLACK",
+    "CLONECAST_VOICE_AFFINITY",
     "CLONECAST_CACHE_DIR",
     "CLONECAST_HOST",
     "CLONECAST_PORT",

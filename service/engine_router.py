@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 @dataclass(frozen=True)
 class RoutingPolicy:
     affinity_slack: int = 4  # extra requests in flight a voice's engine may have and still win
+    affinity: bool = True  # False: always the least loaded (to measure what affinity brings)
     max_remembered_voices: int = 4096  # voice -> engine entries kept (least recent dropped)
 
     def __post_init__(self) -> None:
@@ -64,7 +65,7 @@ class EngineRouter:
         if not ready:
             return None
         least = min(ready, key=lambda s: (s.load, s.last_pick))
-        home = self._homes.get(voice) if voice is not None else None
+        home = self._homes.get(voice) if voice is not None and self.policy.affinity else None
         slack = self.policy.affinity_slack
         if home is not None and home.ready and home.load <= least.load + slack:
             chosen, reason = home, "affinity"

@@ -42,7 +42,8 @@ class Engines:
         restart = RestartPolicy(settings.engine_restarts)
         for slot in self.slots:
             slot.supervisor = EngineSupervisor(self, slot, restart)
-        self.router = EngineRouter(self.slots, RoutingPolicy(settings.affinity_slack))
+        policy = RoutingPolicy(settings.affinity_slack, settings.voice_affinity)
+        self.router = EngineRouter(self.slots, policy)
 
     # -- what the service asks ----------------------------------------------------------------
 

@@ -54,6 +54,10 @@ def test_the_router_prefers_the_voices_engine_unless_it_is_clearly_busier():
     assert router.pick("v_a") == (other, "affinity")
     other.client.alive = False  # a dead home is never chosen
     assert router.pick("v_a") == (first, "least_loaded")
+    other.client.alive, first.client.in_flight = True, 1
+    off = EngineRouter(slots, RoutingPolicy(affinity=False))  # affinity off: loads decide
+    off.pick("v_b")
+    assert off.pick("v_b") == (other, "least_loaded")
 
 
 def test_equal_loads_take_turns_and_no_ready_engine_is_none():

@@ -109,7 +109,7 @@ def test_an_engine_total_counts_once_from_two_threads_and_again_after_a_restart(
     from service.metrics import _Total
 
     metrics = Metrics()
-    total = _Total(metrics.rows.counter)
+    total = _Total(metrics.rows)
     for seen in (10, 10, 25, 25):
         total.update(seen)
     total.update(4)  # a new engine
