@@ -3,7 +3,8 @@ deploy/haproxy/clonecast.cfg (rendered: loopback ports, checks every 0.2 s): str
 through the balancer over the WebSocket, least connections spreads them over both servers,
 a SIGTERM (a deploy) takes one server out while its running streams finish through the
 balancer and new connections go to the other, the restarted server is taken back, and a
-`kill -9` of one server leaves the other serving."""
+`kill -9` of one server leaves the other serving. The servers share one voice store (a real
+PostgreSQL on loopback): a voice created through one is spoken through the other."""
 
 from __future__ import annotations
 
@@ -20,10 +21,12 @@ from websockets.exceptions import ConnectionClosed
 
 from tests.deploy.balancer import HAPROXY, TEMPLATE, TEST_GLOBAL, Balancer, Server
 from tests.service.conftest import (
+    b64,
     check_complete,
     collect,
     connect_ready,
     recv_until,
+    reference_audio,
     run,
     speak,
 )
@@ -37,21 +40,24 @@ LONG_S = 40.0  # audio seconds: still generating (several seconds on a CPU) when
 
 
 class Cluster:
-    def __init__(self, workdir):
+    """Two servers sharing one voice store (a real PostgreSQL) behind HAProxy."""
+
+    def __init__(self, workdir, voice_store: str):
         self.workdir = workdir
         self.servers = [Server("clonecast1", workdir), Server("clonecast2", workdir)]
+        self.env = {"CLONECAST_VOICE_STORE": voice_store}
         self.balancer: Balancer | None = None
 
     def start(self) -> None:
         for server in self.servers:
-            server.start()
+            server.start(**self.env)
         self.balancer = Balancer(self.workdir, self.servers)
 
     def ensure_up(self) -> None:
         """Both servers running, marked UP by the balancer, no connection open on either."""
         for server in self.servers:
             if not server.running:
-                server.start()
+                server.start(**self.env)
         for server in self.servers:
             self.balancer.wait_status(server.name, "UP")
         deadline = time.monotonic() + 30
@@ -81,8 +87,8 @@ class Cluster:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    cluster = Cluster(tmp_path_factory.mktemp("cluster"))
+def cluster(tmp_path_factory, postgres):
+    cluster = Cluster(tmp_path_factory.mktemp("cluster"), postgres.new_database())
     try:
         cluster.start()
         yield cluster
@@ -142,6 +148,35 @@ def test_streams_through_the_balancer_spread_by_least_connections(cluster):
         for utt in utts.values():
             check_complete(utt)
             assert utt.payload
+
+
+@pytest.mark.slow
+def test_a_voice_created_through_one_server_is_spoken_by_the_other(cluster):
+    """The servers share a PostgreSQL voice store: a voice registered through the balancer
+    (on whichever server it reached) is heard by name on both servers' connections."""
+    cluster.ensure_up()
+    created = httpx.post(
+        cluster.balancer.http + "/v1/voices",
+        json={"audio_b64": b64(reference_audio(3.0)), "transcript": "shared", "name": "shared"},
+        timeout=120,
+    )
+    assert created.status_code == 201, created.text
+
+    async def main():
+        opened = [await cluster.open() for _ in range(2)]  # least connections: one on each
+        heard = {}
+        for n, (ws, server) in enumerate(opened):
+            await ws.send(speak(f"shared-{n}", "In the shared voice.", dur=0.6, voice_id="shared"))
+            heard[server.name] = (await collect(ws, [f"shared-{n}"], timeout=120))[f"shared-{n}"]
+        for ws, _ in opened:
+            await ws.close()
+        return heard
+
+    heard = run(main())
+    assert sorted(heard) == ["clonecast1", "clonecast2"]
+    for utt in heard.values():
+        check_complete(utt)
+        assert utt.payload
 
 
 @pytest.mark.slow

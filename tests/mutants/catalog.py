@@ -162,4 +162,49 @@ MUTANTS = (
         ),
         "an append never flushed keeps a silent connection open forever",
     ),
+    Mutant(
+        "affinity-ignored",
+        "service/engine_router.py",
+        "if home is not None and home.ready and home.load <= least.load + slack:",
+        "if False:",
+        (
+            "tests/service/test_multi_engine.py::"
+            "test_the_router_prefers_the_voices_engine_unless_it_is_clearly_busier",
+        ),
+        "a voice used again lands on any engine and computes its prompt again",
+    ),
+    Mutant(
+        "engine-never-restarted",
+        "service/engine_supervisor.py",
+        "        self.task = asyncio.get_running_loop().create_task(self._restart(reason))",
+        "        self.task = None",
+        (
+            "tests/service/test_engine_supervision.py::"
+            "test_kill_9_mid_stream_fails_only_what_was_in_flight_and_the_engine_comes_back",
+        ),
+        "after its engine dies the server stays unready until restarted by hand",
+    ),
+    Mutant(
+        "drain-does-not-wait",
+        "service/drain.py",
+        "    while services.utterances and loop.time() < deadline:",
+        "    while False:",
+        (
+            "tests/service/test_drain.py::"
+            "test_sigterm_drains_running_streams_refuses_new_work_and_exits_0",
+        ),
+        "a deploy cuts every running utterance off at once",
+    ),
+    Mutant(
+        "one-window-fails-the-step",
+        "engine/audio_output.py",
+        '                failed[request.request_id] = f"audio window failed: '
+        '{type(exc).__name__}: {exc}"\n                continue',
+        "                raise",
+        (
+            "tests/service/test_fault_isolation.py::"
+            "test_a_failure_in_one_requests_part_of_a_step_ends_only_that_request",
+        ),
+        "one request's failure ends every stream in its engine step",
+    ),
 )
