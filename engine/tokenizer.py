@@ -11,22 +11,30 @@ from engine.config import ADDED_TOKENS, ConfigError
 from engine.prompt import SpecialTokens
 
 _CACHE_ENTRIES = 4096  # texts whose ids are kept (oldest dropped first)
+# Engines start in parallel threads, and transformers' lazy imports are not thread-safe (two
+# first imports at once: "cannot import name 'AutoTokenizer'").
+_LOAD_LOCK = threading.Lock()
+
+
+def _load(path: Path):
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    # transformers warns that config.json's model_type is unknown to it; it is ours.
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as exc:
+        raise ConfigError(f"cannot load the tokenizer from {path}: {exc}") from exc
+    finally:
+        hf_logging.set_verbosity(verbosity)
 
 
 class HiggsTokenizer:
     def __init__(self, path: Path):
-        from transformers import AutoTokenizer
-        from transformers.utils import logging as hf_logging
-
-        # transformers warns that config.json's model_type is unknown to it; it is ours.
-        verbosity = hf_logging.get_verbosity()
-        hf_logging.set_verbosity_error()
-        try:
-            self._tok = AutoTokenizer.from_pretrained(str(path))
-        except Exception as exc:
-            raise ConfigError(f"cannot load the tokenizer from {path}: {exc}") from exc
-        finally:
-            hf_logging.set_verbosity(verbosity)
+        with _LOAD_LOCK:
+            self._tok = _load(path)
         vocab = self._tok.get_vocab()
         missing = [t for t in ADDED_TOKENS if t not in vocab]
         if missing:

@@ -1,6 +1,7 @@
-"""The Starlette application: starts the engine (in its own process by default, or in a
-worker thread) at start-up, warms it up before `/ready`, restarts it when it dies
-(service/engine_supervisor.py), and serves the WebSocket protocol and the HTTP API."""
+"""The Starlette application: starts the engines (service/engines.py: one per device, each in
+its own process by default) while the port is already bound, warms them up before `/ready`,
+and serves the WebSocket protocol and the HTTP API; a dead engine is started again by its
+supervisor (service/engine_supervisor.py), a SIGTERM drains (service/drain.py)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from service import VERSION
 from service.api_keys import KeyRing, read_key_file
 from service.auth import Caller
 from service.config import ServiceSettings
-from service.engine_client import EngineClient
+from service.engine_client import EngineClient, EngineExited
 from service.engine_host import EngineSpec, settle_garbage_collector
 from service.engines import Engines
 from service.http_api import (
@@ -55,7 +56,7 @@ from service.speech_api import speech
 from service.tokens import TokenIssuer
 from service.transport_guards import guarded_protocols
 from service.voice_db import open_voice_database
-from service.voices import Voice, VoiceStore, check_name, voice_id_for
+from service.voices import Voice, VoiceError, VoiceStore, check_name, voice_id_for
 from service.web_files import WEB_DIR, WebMount
 from service.ws import stream_endpoint
 
@@ -184,7 +185,7 @@ class Services:
         )
 
     async def load(self) -> None:
-        """Everything before /ready: the engine (in a worker thread), the preloaded voices,
+        """Everything before /ready: the engines (from a worker thread), the preloaded voices,
         one warm-up request. A failure is kept in `load_error` and reported once."""
         self.loop = asyncio.get_running_loop()
         try:
@@ -242,7 +243,10 @@ class Services:
                 existing = self.voices.put(voice_id, existing.reference, name, keep, owner)
             return existing, True
         encoder = self.engines.least_loaded() or self.worker
-        reference = await asyncio.wrap_future(encoder.encode_reference(data, transcript))
+        try:
+            reference = await asyncio.wrap_future(encoder.encode_reference(data, transcript))
+        except EngineExited as exc:  # its engine died meanwhile: another will serve a retry
+            raise VoiceError("not_ready", f"the engine stopped while encoding: {exc}") from exc
         return self.voices.put(voice_id, reference, name, keep, owner), False
 
     async def preload_voices(self) -> None:

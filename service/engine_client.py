@@ -49,9 +49,10 @@ from service.engine_channel import (
 from service.engine_host import EngineSpec, process_main, thread_main
 
 log = logging.getLogger("clonecast.engine_client")
-# Engines start in parallel threads, and transformers' lazy imports are not thread-safe (two
-# first imports at once: "cannot import name 'AutoTokenizer'").
-_TOKENIZER_LOCK = threading.Lock()
+
+
+class EngineExited(RuntimeError):
+    """What every request waiting on an engine that died (or was stopped) fails with."""
 
 
 class _ProcessTransport:
@@ -194,10 +195,9 @@ class EngineClient:
             assert isinstance(message, Ready), message
             self.info, self._stats = message.info, message.stats
             break
-        with _TOKENIZER_LOCK:
-            self._check = TextChecker.from_checkpoint(
-                Path(self.info.checkpoint), self.info.max_model_len
-            )
+        self._check = TextChecker.from_checkpoint(
+            Path(self.info.checkpoint), self.info.max_model_len
+        )
         self._reader.start()
 
     def stop(self) -> None:
@@ -261,7 +261,7 @@ class EngineClient:
         done: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             if self._exit_reason is not None:
-                done.set_exception(RuntimeError(self._exit_reason))
+                done.set_exception(EngineExited(self._exit_reason))
                 return done
             if request_id in self._wire:
                 done.set_exception(ConfigError(f"request id {request_id!r} is already in use"))
@@ -292,7 +292,7 @@ class EngineClient:
         token = next(self._tokens)
         with self._lock:
             if self._exit_reason is not None:
-                future.set_exception(RuntimeError(self._exit_reason))
+                future.set_exception(EngineExited(self._exit_reason))
                 return future
             self._encodes[token] = future
             self._transport.commands.put(EncodeVoice(token, data, transcript))
@@ -408,9 +408,9 @@ class EngineClient:
             self._added, self._encodes = {}, {}
         for future in waiting:
             if future.set_running_or_notify_cancel():
-                future.set_exception(RuntimeError(reason))
+                future.set_exception(EngineExited(reason))
         for sink in sinks.values():
-            _call(sink, RuntimeError(reason))
+            _call(sink, EngineExited(reason))
 
 
 def _call(sink: Sink, out) -> None:

@@ -168,6 +168,9 @@ class EngineHost:
                 continue
             if isinstance(command, Stop):
                 return False
+            if not self._thread.is_alive():  # also while commands keep coming
+                log.error("the engine thread has died: the engine exits")
+                return True
             if isinstance(command, EncodeVoice):
                 future = self.encoder_pool.submit(
                     self.engine.encode_reference, command.audio, command.transcript

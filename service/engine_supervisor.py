@@ -93,11 +93,16 @@ class EngineSupervisor:
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:
-                    reason = f"the restarted engine failed: {exc}"
+                    reason = owner.name(self.slot, f"the restarted engine failed: {exc}")
+                    continue
+                if not self.slot.client.alive:  # it died again before this resumed
+                    reason = owner.name(self.slot, "the restarted engine died at once")
+                    self.slot.warmed = False
                     continue
                 self.engine_started()
                 owner.metrics.engine(self.slot.index).restarts.inc()
-                log.warning("the engine is serving again (restart %d)", self.attempts)
+                owner.progress = "ready"
+                log.warning(owner.name(self.slot, "serving again (restart %d)"), self.attempts)
                 return
         finally:
             self.restarting = False

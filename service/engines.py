@@ -10,15 +10,17 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import threading
 from collections.abc import Callable
 
 from engine import ConfigError, Engine, EngineConfig, SamplingParams
-from service.engine_client import EngineClient
+from service.engine_client import EngineClient, EngineExited
 from service.engine_host import EngineSpec, settle_garbage_collector
 from service.engine_router import EngineRouter, EngineSlot, RoutingPolicy
 from service.engine_supervisor import EngineSupervisor, RestartPolicy
 
 log = logging.getLogger("clonecast.engines")
+WARM_UP_TIMEOUT_S = 300.0  # a warm-up that takes longer: the engine is stuck (a failed start)
 
 
 class Engines:
@@ -44,6 +46,7 @@ class Engines:
             slot.supervisor = EngineSupervisor(self, slot, restart)
         policy = RoutingPolicy(settings.affinity_slack, settings.voice_affinity)
         self.router = EngineRouter(self.slots, policy)
+        self._lock = threading.Lock()  # a start finishing against a stop (`start`, `stop`)
 
     # -- what the service asks ----------------------------------------------------------------
 
@@ -103,9 +106,13 @@ class Engines:
 
     def start(self, slot: EngineSlot) -> None:
         """A new engine client for `slot`, started (blocks while it loads), in place of its
-        last one (stopped: a dead engine's queues are released)."""
+        last one. That one is stopped first (a dead engine's queues are released, a live but
+        useless one frees its device for the new one) and kept until then: its model info
+        still answers."""
         services, settings = self.services, self.services.settings
         metrics = services.metrics.engine(slot.index)
+        if slot.client is not None:
+            slot.client.stop()
 
         def on_exit(reason: str) -> None:  # the client's reader thread
             if services.loop is not None:
@@ -132,9 +139,12 @@ class Engines:
         except BaseException:
             client.stop()
             raise
-        old, slot.client = slot.client, client
-        if old is not None:
-            old.stop()
+        with self._lock:
+            if services.stopping:  # stopped while it loaded: nobody would stop it later
+                client.stop()
+                raise EngineExited("the server stopped while the engine started")
+            slot.client = client
+        metrics.new_engine()
 
     async def warm_up(self, slot: EngineSlot) -> None:
         """One short request end to end, so the first client does not pay for lazy set-up."""
@@ -148,7 +158,11 @@ class Engines:
         params = SamplingParams(seed=0, max_rows=24)
         client = slot.client
         await asyncio.wrap_future(client.submit("warm-up", "Warming up.", None, params, sink))
-        result = await done
+        try:
+            result = await asyncio.wait_for(done, WARM_UP_TIMEOUT_S)
+        except TimeoutError:
+            client.stop()
+            raise EngineExited(f"the engine's warm-up took over {WARM_UP_TIMEOUT_S:g} s") from None
         if isinstance(result, BaseException):
             raise result
         self.services.metrics.engine(slot.index).update(client.stats)
@@ -161,9 +175,10 @@ class Engines:
             slot.supervisor.engine_started()
 
     def stop(self) -> None:
-        for slot in self.slots:
-            if slot.client is not None:
-                slot.client.stop()
+        with self._lock:  # `services.stopping` is set: a start under way stops its own
+            clients = [slot.client for slot in self.slots if slot.client is not None]
+        for client in clients:
+            client.stop()
 
     async def stop_supervisors(self) -> None:
         await asyncio.gather(*(slot.supervisor.stop() for slot in self.slots))
@@ -193,14 +208,19 @@ class Engines:
     def _exited(self, slot: EngineSlot, reason: str) -> None:
         """On the event loop: `slot`'s engine died (its requests have already failed)."""
         slot.warmed = False
-        if len(self.slots) > 1:
-            reason = f"engine {slot.index} ({slot.device}): {reason}"
-        slot.supervisor.engine_exited(reason)
+        if slot.failed is None:
+            slot.supervisor.engine_exited(self.name(slot, reason))
+
+    def name(self, slot: EngineSlot, text: str) -> str:
+        """`text` about `slot`'s engine, naming it when there are several."""
+        return f"engine {slot.index} ({slot.device}): {text}" if len(self.slots) > 1 else text
 
     def give_up(self, slot: EngineSlot, reason: str) -> None:
         """`slot`'s engine failed every restart: it is left out; the server gives up when
         no engine is left."""
         slot.failed = reason
+        if slot.client is not None:  # frees its device
+            slot.client.stop()
         if all(s.failed is not None for s in self.slots):
             self.services.give_up(reason)
         else:

@@ -71,9 +71,11 @@ ROUTE_REASONS = ("affinity", "least_loaded")
 
 
 class _Total:
-    """A counter fed from one of the engine's running totals (which restart at 0 with a new
-    engine): increments by what the total grew since it was last seen. Fed from two threads
-    (the events reader and the event loop), hence the lock: a total is never counted twice."""
+    """A counter fed from one of the engine's running totals: increments by what the total
+    grew since it was last seen; a smaller total is an older snapshot arriving late (a
+    voice encode's statistics can overtake a step's), never a restart: a new engine calls
+    `reset`. Fed from two threads (the events reader and the event loop), hence the lock: a
+    total is never counted twice."""
 
     def __init__(self, counter) -> None:
         self.counter, self.seen = counter, 0
@@ -81,10 +83,14 @@ class _Total:
 
     def update(self, total: float) -> None:
         with self.lock:
-            if total < self.seen:  # a new engine counts from 0 again
-                self.seen = 0
-            self.counter.inc(total - self.seen)
-            self.seen = total
+            if total > self.seen:  # less: an older snapshot arriving late (never counted)
+                self.counter.inc(total - self.seen)
+                self.seen = total
+
+    def reset(self) -> None:
+        """A new engine: its totals count from 0."""
+        with self.lock:
+            self.seen = 0
 
 
 class Metrics:
@@ -345,6 +351,11 @@ class EngineMetrics:
         self.totals = {name: _Total(getattr(m, name)) for name in names}
         self.voice_hits, self.voice_misses = _Total(m.voice_hits), _Total(m.voice_misses)
         self.phases = [_Total(child) for child in m._phase_children]
+
+    def new_engine(self) -> None:
+        """The slot's engine was started again: its running totals begin at 0."""
+        for total in [*self.totals.values(), self.voice_hits, self.voice_misses, *self.phases]:
+            total.reset()
 
     def observe_steps(self, observed, stats) -> None:
         """A report of engine steps (the reader thread of this engine's events only)."""

@@ -319,17 +319,18 @@ class Session:
             if found is None:
                 raise ProtocolError("unknown_voice", f"no voice {voice_id!r}: create it first", uid)
             voice = found.reference
-        # an inline voice's engine is chosen once the voice is known (_voice_then_start)
-        inline = voice_id is None and message.get("voice") is not None
-        engine = self.services.worker if inline else self.services.engines.pick(voice_id)
-        if engine is None:
-            raise ProtocolError("not_ready", "no engine is ready: retry shortly", uid)
-        try:  # last: nothing below refuses, and every end releases it (_forget)
+        try:  # every end releases it (_forget)
             lease = self.services.key_limits.admit(self.caller.name)
         except RateLimited as exc:
             raise ProtocolError(
                 "rate_limited", str(exc), uid, retry_after_s=exc.retry_after_s
             ) from exc
+        # an inline voice's engine is chosen once the voice is known (_voice_then_start)
+        inline = voice_id is None and message.get("voice") is not None
+        engine = self.services.worker if inline else self.services.engines.pick(voice_id)
+        if engine is None:  # every engine died since the refusal check: nothing below refuses
+            lease.release()
+            raise ProtocolError("not_ready", "no engine is ready: retry shortly", uid)
         tag, registry = f"{self.id}/{uid}", self.services.utterances
         utt = Utterance(uid, voice, params, fmt, flushed, engine, self.loop, self, tag, registry)
         utt.voice_id = voice_id
@@ -380,9 +381,14 @@ class Session:
             return
         if utt.state is not State.RUNNING:
             return  # cancelled while the voice was encoding
-        utt.voice, utt.voice_id, utt.ready = voice.reference, voice.voice_id, True
         # nothing was submitted yet: the engine that holds this voice's prefix, if any
-        utt.engine = self.services.engines.pick(voice.voice_id) or utt.engine
+        engine = self.services.engines.pick(voice.voice_id)
+        if engine is None:
+            self._end(utt, State.FAILED, "not_ready")
+            self.send_error("not_ready", "no engine is ready: retry shortly", utt.id)
+            return
+        utt.voice, utt.voice_id, utt.ready = voice.reference, voice.voice_id, True
+        utt.engine = engine
         try:  # the segments so far were checked without the voice (prompt length with it)
             self._checked(utt, utt.check_texts, [seg.text for seg in utt.segments])
         except ProtocolError as exc:

@@ -96,13 +96,16 @@ async def speech(request: Request) -> Response:
         return error(request, getattr(exc, "code", "bad_parameter"), str(exc))
     if services.engines.num_waiting >= services.settings.limits.max_waiting_requests:
         return error(request, "over_capacity", "the server is at capacity: retry shortly")
-    job["engine"] = services.engines.pick(job["voice_id"])
-    if job["engine"] is None:  # every engine died since the check above
-        return error(request, "not_ready", "no engine is ready: retry shortly")
+    if (answer := not_ready(request, engine=True)) is not None:  # again: the body took time
+        return answer
     try:
         job["lease"] = services.key_limits.admit(caller.name)
     except RateLimited as exc:
         return rate_limited(request, exc)
+    job["engine"] = services.engines.pick(job["voice_id"])
+    if job["engine"] is None:  # every engine died since the check above
+        job["lease"].release()
+        return error(request, "not_ready", "no engine is ready: retry shortly")
     job["key"] = caller.name
     fmt, container = job["format"], job["container"]
     media = MEDIA_TYPES[job["response_format"]]

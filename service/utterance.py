@@ -134,11 +134,8 @@ class Utterance:
         self.buffered_bytes = 0  # queued for the transport, not yet sent
         self.stats = Stats()
         self.text_chars = 0
-        self.engine, self._loop, self._listener = (
-            engine,
-            loop,
-            listener,
-        )  # engine: settable until a segment is submitted
+        self.engine = engine  # another may be set until a segment is submitted
+        self._loop, self._listener = loop, listener
         self.tag = tag
         self._prefix = f"{tag}/{uuid.uuid4().hex[:8]}"  # engine request ids of its segments
         self.voice_id: str | None = None  # the server's id of its voice, for reports

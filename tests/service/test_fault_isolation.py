@@ -155,3 +155,87 @@ def test_a_voice_store_that_cannot_be_written_refuses_that_voice_only(make_serve
     with pytest.raises(sqlite3.Error):  # the planted limit was real: sqlite refuses too
         db.execute(f"PRAGMA max_page_count = {pages}")
         db.execute("INSERT INTO voices VALUES ('x', NULL, NULL, NULL, 1, zeroblob(90000), 0)")
+
+
+def test_a_broken_engine_is_noticed_while_commands_keep_coming():
+    """Three failed steps in a row end the engine thread; the command loop leaves (the
+    engine process then exits for its supervisor) even when it is never idle: a steady flow
+    of requests would otherwise wait forever on an engine that no longer steps."""
+    import queue
+    import threading
+
+    from engine import SamplingParams
+    from service.engine_channel import AddRequest
+    from service.engine_host import MAX_FAILED_STEPS, EngineHost
+
+    class Events(list):
+        put = list.append
+
+    class BrokenEngine:  # steps always fail, as on a device whose context is lost
+        stats = None
+        steps = 0
+
+        def has_unfinished(self):
+            return True
+
+        def step(self, emit=None):
+            self.steps += 1
+            raise RuntimeError("device lost")
+
+        def add_request(self, *args, **kwargs):
+            pass
+
+        def abort(self, request_id):
+            return True
+
+        def take_observations(self):
+            raise AssertionError("a failed step reports nothing")
+
+    engine = BrokenEngine()
+    host = EngineHost(engine, Events())
+    host._thread.start()
+    commands: queue.SimpleQueue = queue.SimpleQueue()
+    flowing = threading.Event()
+
+    def feed():  # a request every 10 ms: the loop never waits the idle poll out
+        n = 0
+        while not flowing.is_set():
+            commands.put(AddRequest(f"r{n}", "hi", None, SamplingParams(max_rows=4)))
+            n += 1
+            flowing.wait(0.01)
+
+    feeder = threading.Thread(target=feed, daemon=True)
+    feeder.start()
+    done = []
+    server = threading.Thread(target=lambda: done.append(host.serve(commands)), daemon=True)
+    server.start()
+    server.join(timeout=20)
+    flowing.set()
+    assert done == [True], "the command loop kept serving a dead engine thread"
+    assert host.broken and engine.steps == MAX_FAILED_STEPS
+    host.stop()
+
+
+def test_an_engine_that_finishes_starting_after_a_stop_is_stopped_at_once(model_cache):
+    """A restart (or the first load) still loading when the server stops: once loaded, the
+    engine is stopped rather than left holding its device with nobody to stop it."""
+    import multiprocessing
+
+    from service.app import Services
+    from service.config import ServiceSettings
+    from service.engine_client import EngineExited
+
+    before = {p.pid for p in multiprocessing.active_children()}  # other tests' servers
+    services = Services(ServiceSettings(device="cpu", cache_dir=model_cache))
+    slot = services.engines.slots[0]
+    original = services.engines.make_spec
+
+    def spec_then_stop(device):  # the stop arrives while the engine loads
+        services.stopping = True
+        return original(device)
+
+    services.engines.make_spec = spec_then_stop
+    with pytest.raises(EngineExited, match="stopped while the engine started"):
+        services.engines.start(slot)
+    assert slot.client is None
+    assert {p.pid for p in multiprocessing.active_children()} <= before

@@ -182,3 +182,40 @@ def test_killing_one_engine_ends_only_its_streams(two):
     metrics = scrape(two)
     assert metrics['clonecast_engine_restarts_total{engine="1"}'] == 1
     assert metrics['clonecast_engine_restarts_total{engine="0"}'] == 0
+
+
+def test_an_engine_that_fails_every_restart_is_left_out_and_the_other_serves(two, monkeypatch):
+    """Kept last: it leaves one engine of the module's server given up."""
+    from service.engine_supervisor import RestartPolicy
+
+    services = two.services
+    victim = services.engines.slots[1]
+    victim.supervisor.policy = RestartPolicy(max_attempts=2, first_delay_s=0.1)
+    victim.supervisor.attempts = 0  # the kill test's restart was less than a minute ago
+    gave_up = []
+    monkeypatch.setattr(services, "on_load_failed", lambda: gave_up.append(True))
+    start = services.engines.start
+
+    def failing_for_the_victim(slot):
+        if slot is victim:
+            raise RuntimeError("its GPU is gone")
+        return start(slot)
+
+    monkeypatch.setattr(services.engines, "start", failing_for_the_victim)
+    os.kill(victim.client.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while victim.failed is None:
+        assert time.monotonic() < deadline, "the engine was not given up"
+        time.sleep(0.1)
+    assert "its GPU is gone" in victim.failed and gave_up == []  # the server goes on
+    ready = httpx.get(two.http + "/ready", timeout=10)
+    assert ready.status_code == 200 and ready.json()["engines"] == {"ready": 1, "total": 2}
+    assert httpx.get(two.http + "/health", timeout=10).json()["status"] == "ok"
+
+    async def main():
+        async with open_ws(two.ws) as ws:
+            await ws.send(speak("left", "One engine left.", dur=0.4))
+            return (await collect(ws, ["left"], timeout=120))["left"]
+
+    utt = run(main())
+    assert utt.errors == [] and utt.done is not None and utt.payload

@@ -104,14 +104,17 @@ def test_the_playhead_waits_when_dry_so_one_late_chunk_is_one_underrun(monkeypat
 
 
 def test_an_engine_total_counts_once_from_two_threads_and_again_after_a_restart():
-    """Counters fed from the engine's running totals: a total seen twice adds nothing; a new
-    engine's totals start at 0 and count from there."""
+    """Counters fed from the engine's running totals: a total seen twice adds nothing, an
+    older snapshot arriving late (smaller) adds nothing either; a new engine's totals start
+    at 0 once it is reset, and count from there."""
     from service.metrics import _Total
 
     metrics = Metrics()
     total = _Total(metrics.rows)
-    for seen in (10, 10, 25, 25):
+    for seen in (10, 10, 25, 25, 20):  # 20: a late snapshot, not a restart
         total.update(seen)
-    total.update(4)  # a new engine
+    assert _value(metrics, "clonecast_engine_rows_total") == 25
+    total.reset()  # a new engine
+    total.update(4)
     total.update(6)
     assert _value(metrics, "clonecast_engine_rows_total") == 31
