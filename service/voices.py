@@ -197,8 +197,12 @@ class VoiceStore:
         row = _pick(rows, key, caller)
         if row is None:
             self._checked.pop(asked, None)
-            if cached is not None:  # deleted through another server
-                self._forget(key)
+            # deleted through another server (asked by its id, or by its name: a name is only
+            # ever lost with its voice): forgotten here, so no other key of it is trusted
+            gone = key if cached is not None else self._names.get((caller.owner, key))
+            gone = gone or self._names.get((None, key))
+            if gone in self._voices and self._voices[gone].kept:
+                self._forget(gone)
             return None
         self._checked[asked] = (row.voice_id, now)
         self._checked.move_to_end(asked)

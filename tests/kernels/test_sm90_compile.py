@@ -48,6 +48,8 @@ GEMM_TYPES = {
     "out_ptr": "*bf16",
     "part_ptr": "*fp32",
     "count_ptr": "*i32",
+    "ws_ptr": "*fp32",  # the fp8 scales (unused with FP8 off)
+    "xs_ptr": "*fp32",
 }
 GEMM = dict(BM=16, BN=64, BK=128, SPLIT=3, EVEN_K=True, IEEE=False, GATED=False, TMA=False)
 
@@ -93,7 +95,7 @@ def _gemm_case(rows: int, n: int, k: int, gated: bool, loads: str):
     bm, bn, bk = tiles["block_m"], tiles["block_n"], tiles["block_k"]
     constexprs = dict(
         BM=bm, BN=bn, BK=bk, SPLIT=tiles["split"], EVEN_K=k % bk == 0, IEEE=False, GATED=gated,
-        TMA=False, PDL=True,
+        TMA=False, PDL=True, FP8=False,
     )  # fmt: skip
     constexprs.update(LOADS[loads])
     types = GEMM_TYPES
