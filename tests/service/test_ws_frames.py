@@ -183,11 +183,13 @@ def test_a_ping_frame_flood_is_closed_with_1008(srv):
         async with open_ws(srv.ws) as other:
             sock = _handshake(srv)
             with sock:
-                for _ in range(BURST + 5):
-                    sock.sendall(_frame(0x9, b"ping"))
-                got = _close_code(sock)
+                try:  # the server may close (and reset) before the last pings are written
+                    sock.sendall(b"".join(_frame(0x9, b"ping") for _ in range(BURST + 5)))
+                    got = _close_code(sock)
+                except (ConnectionResetError, BrokenPipeError):
+                    got = "reset"  # its close frame lost to the reset: the counter below tells
             await assert_alive(other)
         return got
 
-    assert run(main()) == 1008
-    _counts_up_to(srv, closes, before + 1)
+    assert run(main()) in (1008, "reset")
+    _counts_up_to(srv, closes, before + 1)  # closed for its rate, not for anything else
