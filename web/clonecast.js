@@ -23,6 +23,7 @@ const CLOSE_CODES = {
 const RETRYABLE = new Set([
   "over_capacity", "rate_limited", "slow_consumer", "generation_failed", "internal",
   "server_error", "server_restarting", "idle_timeout", "connection_closed", "connection_failed", "timeout",
+  "not_ready", "draining", // loading or restarting its engine / shutting down: retry, reconnect
 ]);
 
 export class ClonecastError extends Error {

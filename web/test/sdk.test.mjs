@@ -197,3 +197,10 @@ test("an utterance that hears nothing within its timeout fails with timeout (ret
     await client.ping(); // the connection is fine
   });
 });
+
+test("the server's transient refusals are retryable; a bad request is not", () => {
+  for (const code of ["rate_limited", "not_ready", "draining", "server_restarting"]) {
+    assert.equal(new ClonecastError(code, "later").retryable, true, code);
+  }
+  assert.equal(new ClonecastError("bad_parameter", "no").retryable, false);
+});
