@@ -16,6 +16,9 @@
 #   PROTOCOL=1   the full served protocol of docs/PERFORMANCE.md (C = 1..256, 3 fresh starts,
 #                10 s timed a point); PROTOCOL_VOICES the pools (64cold; 1: one voice; one pool
 #                is a call of 300-360 s), PROTOCOL_C, PROTOCOL_S
+#   LEVERS="NAME:VAR=VALUE+VAR=VALUE ..." one served run per lever, its server started with
+#                those environment variables (e.g. budget:CLONECAST_MAX_BATCHED_TOKENS=1024),
+#                LEVER_VOICES the pool (64cold), LEVER_C (128,256), LEVER_STARTS (1)
 #   STEP_AB      the decode step (eager_step.py) per EngineConfig override set, as LOOP_AB
 #   HOST=1       host work per engine step at C = 64 and 128 (benchmarks/host_cost.py)
 #   GIL_MS="a b" one served start at C = 64 and 128 per GIL switch interval (ms) of the server
@@ -105,6 +108,12 @@ if [ "${PROTOCOL:-0}" = 1 ]; then
   timeout ${PROTOCOL_LIMIT:-560} python3 benchmarks/serve_bench.py --model $CKPT --concurrency ${PROTOCOL_C:-1,32,64,128,256} --voices ${PROTOCOL_VOICES:-64cold} --timed-s ${PROTOCOL_S:-10} --warmup 64 --starts 3 --fresh-server --max-num-seqs 256 ${PROTOCOL_ARGS:-} --out "$OUT/protocol" > "$OUT/protocol.log" 2>&1
   grep -v "^[0-9]* voices C=" "$OUT/protocol.log" | tail -60
 fi
+for lever in ${LEVERS:-}; do
+  name=${lever%%:*}; assigns=${lever#*:}
+  echo "lever $name: ${assigns//+/ }"
+  env ${assigns//+/ } timeout ${LEVER_LIMIT:-200} python3 benchmarks/serve_bench.py --model $CKPT --concurrency ${LEVER_C:-128,256} --voices ${LEVER_VOICES:-64cold} --timed-s ${PROTOCOL_S:-10} --warmup 64 --starts ${LEVER_STARTS:-1} --fresh-server --max-num-seqs 256 ${PROTOCOL_ARGS:-} --out "$OUT/lever-$name" > "$OUT/lever-$name.log" 2>&1
+  grep -v "^[0-9]* voices C=" "$OUT/lever-$name.log" | tail -14
+done
 for g in ${GIL_MS:-}; do
   CLONECAST_GIL_SWITCH_MS=$g timeout 150 python3 benchmarks/serve_bench.py --model $CKPT --concurrency 64,128 --requests 256 --warmup 64 --starts 1 --max-num-seqs 256 --out "$OUT/gil_$g" 2>&1 | grep "^default.* 1 " | sed "s/^/gil $g ms: /"
 done

@@ -4,7 +4,8 @@ closed loop of C clients on the same host sending voice-clone requests.
 For each voice pool (`--voices 64,1`: 64 distinct 3-6 s references with transcripts, each
 request drawing one, then a single voice the prefix cache serves) and concurrency: warm-up
 requests excluded (`--warmup`, 64, but never fewer than C: with fewer, the timed window
-opens on the cold ramp of C simultaneous first requests), then `--requests` timed requests
+opens on the cold ramp of C simultaneous first requests; and never more than 4 a client: a
+closed loop of one is steady after its first request), then `--requests` timed requests
 (or, with `--timed-s`, every request sent in that many seconds), repeated `--starts` times
 (fresh connections each time; a fresh server each time with `--fresh-server`); `--sim ARGS`
 runs benchmarks/sim_server.py (the real service with the GPU work simulated) instead of the
@@ -380,7 +381,7 @@ def bench_server(args, eager: bool, out: Path, num_voices: int, cold: bool = Fal
                 before = server_counters(port)
                 cpu0 = process_cpu(server.pid)
                 t0 = time.perf_counter()
-                warmup = max(args.warmup, c)
+                warmup = max(c, min(args.warmup, 4 * c))
                 timed = args.requests if args.requests > 0 else max(16, 2 * c)
                 if c == 1 and args.requests > 0:  # a closed loop of one: fewer suffice
                     warmup, timed = min(warmup, 4), args.c1_requests
@@ -486,7 +487,8 @@ def main() -> None:
         "--warmup",
         type=int,
         default=64,
-        help="excluded requests, at least C (fewer would time the cold ramp); -1: C",
+        help="excluded requests, at least C (fewer would time the cold ramp) and at most 4C; "
+        "-1: C",
     )
     ap.add_argument(
         "--timed-s",

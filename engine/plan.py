@@ -20,7 +20,11 @@ from engine.config import ConfigError
 
 BACKENDS = ("torch", "triton", "varlen", "flash")
 DTYPES = ("float32", "bfloat16", "float16")
-DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # token counts of backbone graphs
+# Token counts of the backbone graphs (those up to the step's token budget are captured). A
+# step replays the smallest that holds it, so above 64 tokens (where a GEMM's cost grows with
+# its rows) they come every 16, every 32 above 512: a 246-position clone prompt beside 64
+# decodes replays 320 tokens, not 512 (measured: docs/PERFORMANCE.md).
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, *range(80, 513, 16), *range(544, 1025, 32))
 DEFAULT_FEW_ROW_GEMM_ROWS = 16  # at 64 rows cuBLAS is faster on the H200
 # fp8 weights: steps up to this many tokens take our GEMM over float8 operands, larger ones
 # torch._scaled_mm (measured on the H200: docs/perf-log/2026-12-02-session-14.md)

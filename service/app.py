@@ -173,7 +173,8 @@ class Services:
         return EngineConfig(
             device=device,
             max_num_seqs=self.settings.max_num_seqs,
-            max_num_batched_tokens=max(512, self.settings.max_num_seqs),
+            max_num_batched_tokens=self.settings.max_batched_tokens
+            or max(512, self.settings.max_num_seqs),
             enforce_eager=not self.settings.cuda_graphs,
             kv_cache_dtype=self.settings.kv_cache_dtype,
             quantization=self.settings.quantization,

@@ -192,6 +192,7 @@ def serve(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         max_num_seqs=args.max_num_seqs,
+        max_batched_tokens=args.max_batched_tokens,
         cuda_graphs=False if args.eager else None,
         kv_cache_dtype=args.kv_cache_dtype,
         quantization=args.quantization,
@@ -283,6 +284,13 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--host", help="bind address (default 127.0.0.1)")
     v.add_argument("--port", type=int, help="port (default 8737)")
     v.add_argument("--max-num-seqs", type=int, help="requests decoded together (default 64)")
+    v.add_argument(
+        "--max-batched-tokens",
+        type=int,
+        metavar="N",
+        help="token positions a step may run, decodes and prompts (default max(512, "
+        "--max-num-seqs))",
+    )
     v.add_argument("--eager", action="store_true", help="no CUDA graphs (debugging, comparison)")
     v.add_argument(
         "--kv-cache-dtype",

@@ -30,6 +30,9 @@ variables (all named CLONECAST_*).
 |  | behind one balancer; unset: random per start |
 | CLONECAST_ALLOWED_ORIGINS | comma-separated browser origins; unset: any |
 | CLONECAST_MAX_CONNECTIONS, CLONECAST_MAX_NUM_SEQS | capacity |
+| CLONECAST_MAX_BATCHED_TOKENS | token positions one engine step may run, decodes and prompt |
+|  | chunks together (0, the default: max(512, CLONECAST_MAX_NUM_SEQS)); more admits more new |
+|  | prompts a step beside many decodes, each such step taking longer |
 | CLONECAST_MAX_MESSAGES_PER_S, CLONECAST_MESSAGE_BURST | per WebSocket connection: messages |
 |  | (and ping frames) a second sustained (50), and at once (100); over it: `rate_limited` |
 | CLONECAST_HEADER_TIMEOUT_S | an HTTP request's head must arrive within this (10 s) |
@@ -136,6 +139,7 @@ class ServiceSettings:
     token_secret: str | None = field(default=None, repr=False)
     allowed_origins: tuple[str, ...] = ()
     max_num_seqs: int = 64
+    max_batched_tokens: int = 0  # EngineConfig.max_num_batched_tokens; 0: max(512, max_num_seqs)
     cuda_graphs: bool = True
     attention_backend: str = "auto"  # the execution plan's (auto: Triton on CUDA, else torch)
     kv_cache_dtype: str = "auto"  # EngineConfig.kv_cache_dtype (fp8: float8 e4m3, lossy)
@@ -196,6 +200,9 @@ class ServiceSettings:
             token_secret=env.get("CLONECAST_TOKEN_SECRET") or None,
             allowed_origins=_split(env.get("CLONECAST_ALLOWED_ORIGINS")),
             max_num_seqs=int(env.get("CLONECAST_MAX_NUM_SEQS", 64)),
+            max_batched_tokens=_count(
+                "CLONECAST_MAX_BATCHED_TOKENS", env.get("CLONECAST_MAX_BATCHED_TOKENS", "0")
+            ),
             cuda_graphs=env.get("CLONECAST_EAGER", "0") not in ("1", "true", "yes"),
             attention_backend=env.get("CLONECAST_ATTENTION_BACKEND", "auto"),
             kv_cache_dtype=env.get("CLONECAST_KV_CACHE_DTYPE", "auto"),
@@ -242,6 +249,7 @@ VARIABLES = (
     "CLONECAST_ALLOWED_ORIGINS",
     "CLONECAST_MAX_CONNECTIONS",
     "CLONECAST_MAX_NUM_SEQS",
+    "CLONECAST_MAX_BATCHED_TOKENS",
     "CLONECAST_MAX_MESSAGES_PER_S",
     "CLONECAST_MESSAGE_BURST",
     "CLONECAST_HEADER_TIMEOUT_S",

@@ -24,6 +24,7 @@ from prometheus_client import (
 )
 
 from engine import GRAPH_FAMILIES, STEP_KINDS, STEP_PHASES
+from engine.plan import DEFAULT_BUCKETS
 
 # No `_created` series beside every counter and histogram (prometheus-client's default): they
 # double what each scrape carries and no panel or alert reads them.
@@ -50,9 +51,9 @@ STEP_BUCKETS = (0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.04, 0.08,
 RTF_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0)
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
-# Token positions a step launched: every default graph bucket, and every 16 above 256 (finer
-# graph buckets there are measured by this), so the share of steps per bucket is exact.
-TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, *range(256, 513, 16), 1024, 2048)
+# Token positions a step launched: an edge at every default graph bucket, so the share of
+# steps per bucket is exact.
+TOKEN_BUCKETS = (*DEFAULT_BUCKETS, 2048)
 CODEC_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64)
 # How far ahead of the playhead a chunk arrived; negative: the player ran dry (an underrun).
 LEAD_BUCKETS = (-1.0, -0.25, -0.1, -0.04, 0.0, 0.04, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0)

@@ -32,6 +32,28 @@ def _engine_config(settings):
     return Services(settings)._engine_config("cpu")
 
 
+def test_step_token_budget_defaults_to_the_batch_and_is_validated(monkeypatch):
+    """CLONECAST_MAX_BATCHED_TOKENS sets the engine's token budget per step; unset it is
+    max(512, max_num_seqs); a negative one is refused, one below max_num_seqs is the engine's
+    configuration error (a running request could not decode)."""
+    from engine import ConfigError
+
+    monkeypatch.delenv("CLONECAST_MAX_BATCHED_TOKENS", raising=False)
+    monkeypatch.setenv("CLONECAST_MAX_NUM_SEQS", "256")
+    assert _engine_config(ServiceSettings.from_env(device="cpu")).max_num_batched_tokens == 512
+    monkeypatch.setenv("CLONECAST_MAX_NUM_SEQS", "768")
+    assert _engine_config(ServiceSettings.from_env(device="cpu")).max_num_batched_tokens == 768
+    monkeypatch.setenv("CLONECAST_MAX_NUM_SEQS", "256")
+    monkeypatch.setenv("CLONECAST_MAX_BATCHED_TOKENS", "1024")
+    assert _engine_config(ServiceSettings.from_env(device="cpu")).max_num_batched_tokens == 1024
+    monkeypatch.setenv("CLONECAST_MAX_BATCHED_TOKENS", "-1")
+    with pytest.raises(ValueError, match="CLONECAST_MAX_BATCHED_TOKENS"):
+        ServiceSettings.from_env()
+    monkeypatch.setenv("CLONECAST_MAX_BATCHED_TOKENS", "128")
+    with pytest.raises(ConfigError, match="at least max_num_seqs"):
+        _engine_config(ServiceSettings.from_env(device="cpu"))
+
+
 def test_attention_backend_is_passed_to_the_engine(monkeypatch):
     """CLONECAST_ATTENTION_BACKEND selects a FlashAttention backend where present; a bad
     value or one this machine cannot run is the engine's configuration error at start."""
