@@ -487,8 +487,7 @@ def main() -> None:
         "--warmup",
         type=int,
         default=64,
-        help="excluded requests, at least C (fewer would time the cold ramp) and at most 4C; "
-        "-1: C",
+        help="excluded requests, at least C (fewer would time the cold ramp) and at most 4C; -1: C",
     )
     ap.add_argument(
         "--timed-s",
