@@ -18,7 +18,7 @@
 #                is a call of 300-360 s), PROTOCOL_C, PROTOCOL_S
 #   LEVERS="NAME:VAR=VALUE+VAR=VALUE ..." one served run per lever, its server started with
 #                those environment variables (e.g. budget:CLONECAST_MAX_BATCHED_TOKENS=1024),
-#                LEVER_VOICES the pool (64cold), LEVER_C (128,256), LEVER_STARTS (1)
+#                LEVER_VOICES the pool (64cold), LEVER_C (128,256), LEVER_STARTS (1), LEVER_ARGS
 #   STEP_AB      the decode step (eager_step.py) per EngineConfig override set, as LOOP_AB
 #   HOST=1       host work per engine step at C = 64 and 128 (benchmarks/host_cost.py)
 #   GIL_MS="a b" one served start at C = 64 and 128 per GIL switch interval (ms) of the server
@@ -111,7 +111,7 @@ fi
 for lever in ${LEVERS:-}; do
   name=${lever%%:*}; assigns=${lever#*:}
   echo "lever $name: ${assigns//+/ }"
-  env ${assigns//+/ } timeout ${LEVER_LIMIT:-200} python3 benchmarks/serve_bench.py --model $CKPT --concurrency ${LEVER_C:-128,256} --voices ${LEVER_VOICES:-64cold} --timed-s ${PROTOCOL_S:-10} --warmup 64 --starts ${LEVER_STARTS:-1} --fresh-server --max-num-seqs 256 ${PROTOCOL_ARGS:-} --out "$OUT/lever-$name" > "$OUT/lever-$name.log" 2>&1
+  env ${assigns//+/ } timeout ${LEVER_LIMIT:-200} python3 benchmarks/serve_bench.py --model $CKPT --concurrency ${LEVER_C:-128,256} --voices ${LEVER_VOICES:-64cold} --timed-s ${PROTOCOL_S:-10} --warmup 64 --starts ${LEVER_STARTS:-1} --fresh-server --max-num-seqs 256 ${LEVER_ARGS:-} --out "$OUT/lever-$name" > "$OUT/lever-$name.log" 2>&1
   grep -v "^[0-9]* voices C=" "$OUT/lever-$name.log" | tail -14
 done
 for g in ${GIL_MS:-}; do
