@@ -388,3 +388,52 @@ def test_measured_capture_reports_time_and_memory_deltas(monkeypatch):
         -100,
     )
     assert report.seconds >= 0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("quantization", ["none", "fp8"])
+def test_every_full_size_bucket_replays_its_eager_twin(quantization):
+    """The served shape (full-size model, 256 sequences, a 1,024-token budget): every
+    captured graph, mixed (a clone prompt beside decodes) and decode-only, replayed over a
+    real-looking batch equals the eager forward bit for bit. The bucket is printed before it
+    runs, so a fault that kills the process names its shape."""
+    import os
+    from pathlib import Path
+
+    from engine.checkpoint_writer import write_full_size_checkpoint
+
+    given = os.environ.get("CLONECAST_FULL_CKPT")
+    if not given:
+        pytest.skip("needs CLONECAST_FULL_CKPT (benchmarks/gpu_check.sh writes it)")
+    ckpt = write_full_size_checkpoint(Path(given))
+    cfg = EngineConfig(
+        device="cuda",
+        dtype="bfloat16",
+        max_num_seqs=256,
+        max_num_batched_tokens=1024,
+        num_kv_blocks=8192,
+        max_model_len=2048,
+        quantization=quantization,
+    )
+    engine = Engine.from_pretrained(ckpt, cfg)
+    runner = engine.runner
+    graphs = runner.graphs
+    shapes = [(False, b) for b in sorted(graphs.mixed)] + [(True, b) for b in sorted(graphs.decode)]
+    assert len(graphs.mixed) == len(DEFAULT_BUCKETS), sorted(graphs.mixed)
+    with torch.inference_mode():
+        for decode_only, bucket in shapes:
+            graph = (graphs.decode if decode_only else graphs.mixed)[bucket]
+            if decode_only:
+                q_lens = [1] * bucket
+            else:  # one prompt beside as many decodes as fit (at most half the bucket)
+                decodes = min(bucket // 2, graph.num_seqs - 1)
+                q_lens = [bucket - decodes] + [1] * decodes
+            print(f"{quantization} {'decode' if decode_only else 'mixed'} {bucket}", flush=True)
+            t = _load_batch(runner, q_lens, [0] + [300] * (len(q_lens) - 1), seed=bucket)
+            runner._pad(t, bucket, len(q_lens), graph.num_seqs)
+            runner._copy_inputs()
+            replayed = graph.replay()[:t].clone()
+            runner._copy_inputs()
+            eager = runner.forward(bucket, graph.num_seqs, max(q_lens), 2048)[:t]
+            torch.cuda.synchronize()
+            assert torch.equal(replayed, eager), (decode_only, bucket)
