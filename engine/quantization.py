@@ -68,15 +68,30 @@ class Fp8Linear(nn.Module):
         return (self.weight.float() * self.weight_scale.t()).to(dtype)
 
 
+def scaled_mm_rows(num_rows: int) -> int:
+    """The row count `torch._scaled_mm` is called with for `num_rows` rows: the next power of
+    two. On the H200 (torch 2.11) the served fp8 engine died with an illegal instruction once
+    its steps had other sizes (graph buckets of 272, 288... tokens), never at 128 / 256 / 512:
+    padding rows cost the GEMM what those buckets did, and nothing else."""
+    return 1 << max(0, num_rows - 1).bit_length()
+
+
 def scaled_matmul(rows: QuantizedRows, layer: Fp8Linear, out_dtype: torch.dtype) -> torch.Tensor:
     """`rows @ W^T` -> `[T, N]` in `out_dtype`: on CUDA one fp8 tensor-core matmul with both
     scales applied to its fp32 sums; elsewhere the same sum over dequantized operands."""
     if rows.data.is_cuda:
+        data, scale = rows
+        t = data.shape[0]
+        padded = scaled_mm_rows(t)
+        if padded != t:  # zero rows (scale 1): their outputs are dropped below
+            data = torch.cat([data, data.new_zeros(padded - t, data.shape[1])])
+            scale = torch.cat([scale, scale.new_ones(padded - t, 1)])
         # _scaled_mm: the second operand column-major (W^T of a row-major W), row-wise
         # scales [T, 1] and [1, N], bf16 out (the row-wise kernel's only output type)
-        return torch._scaled_mm(
-            rows.data, layer.weight.t(), rows.scale, layer.weight_scale, out_dtype=out_dtype
+        out = torch._scaled_mm(
+            data, layer.weight.t(), scale, layer.weight_scale, out_dtype=out_dtype
         )
+        return out[:t]
     x = rows.data.float() * rows.scale
     return F.linear(x, layer.dequantized(torch.float32)).to(out_dtype)
 
