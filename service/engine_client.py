@@ -330,7 +330,7 @@ class EngineClient:
                 if self._transport.is_alive():
                     continue
                 break
-            except (EOFError, OSError):
+            except (EOFError, OSError, ValueError):  # ValueError: stop() closed the queue
                 break
             try:
                 self._dispatch(message)

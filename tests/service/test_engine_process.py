@@ -422,3 +422,38 @@ def test_a_cancelled_submit_never_reaches_its_sink_even_when_the_engine_ends(mod
         assert delivered == []
     finally:
         client.stop()
+
+
+def test_a_reader_whose_queue_is_closed_under_it_ends_and_fails_what_waits(monkeypatch):
+    """stop() closes the event queue once the engine is gone, even when the reader thread
+    outlived its join (an engine terminated while it still had events to read): the reader
+    then ends quietly and fails what still waits, instead of dying of the closed queue."""
+    import multiprocessing
+
+    from service.engine_client import EngineExited
+
+    class Transport:  # an engine that stays up and never says anything
+        events = multiprocessing.get_context("spawn").Queue()
+        commands = None
+        pid = None
+
+        def is_alive(self):
+            return True
+
+        def join(self, timeout):
+            pass
+
+        def exit_reason(self):
+            return "the engine has stopped"
+
+    escaped = []
+    monkeypatch.setattr(threading, "excepthook", escaped.append)
+    client = EngineClient(Transport())
+    got = []
+    client._sinks["r#1"] = got.append
+    client._reader.start()
+    time.sleep(0.2)  # the reader waits in get()
+    Transport.events.close()
+    client._reader.join(timeout=5)
+    assert not client._reader.is_alive() and escaped == []
+    assert len(got) == 1 and isinstance(got[0], EngineExited)
