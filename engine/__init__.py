@@ -47,6 +47,7 @@ _PUBLIC = {
     "EngineStats": "engine.stats",
     "STEP_PHASES": "engine.stats",
     "STEP_KINDS": "engine.stats",
+    "DEFAULT_BUCKETS": "engine.plan",
     "GRAPH_FAMILIES": "engine.stats",
     "Observations": "engine.stats",
     "StepShape": "engine.stats",

@@ -23,8 +23,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from engine import GRAPH_FAMILIES, STEP_KINDS, STEP_PHASES
-from engine.plan import DEFAULT_BUCKETS
+from engine import DEFAULT_BUCKETS, GRAPH_FAMILIES, STEP_KINDS, STEP_PHASES
 
 # No `_created` series beside every counter and histogram (prometheus-client's default): they
 # double what each scrape carries and no panel or alert reads them.
