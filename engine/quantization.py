@@ -71,8 +71,9 @@ class Fp8Linear(nn.Module):
 def scaled_mm_rows(num_rows: int) -> int:
     """The row count `torch._scaled_mm` is called with for `num_rows` rows: the next power of
     two. On the H200 (torch 2.11) the served fp8 engine died with an illegal instruction once
-    its steps had other sizes (graph buckets of 272, 288... tokens), never at 128 / 256 / 512:
-    padding rows cost the GEMM what those buckets did, and nothing else."""
+    its steps had other sizes (graph buckets of 272, 288... tokens); the call alone survives
+    every size (benchmarks/scaled_mm_probe.py), so this is a mitigation of a cause not yet
+    isolated: padding costs the GEMM what the power-of-two buckets did, and nothing else."""
     return 1 << max(0, num_rows - 1).bit_length()
 
 

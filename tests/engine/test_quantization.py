@@ -159,3 +159,11 @@ def test_the_gpu_paths_in_the_triton_interpreter(tiny_ckpt, max_rows):
     _, _, checked = check_all_chunks(engine, recorder, reference, prompts, rows, tol=5e-3)
     sizes = [sum(n for _, _, n in chunks) for chunks, _ in recorder.steps]
     assert checked > 10 and min(sizes) <= 16 < max(sizes)
+
+
+def test_scaled_mm_rows_pads_to_the_next_power_of_two():
+    from engine.quantization import scaled_mm_rows
+
+    assert [scaled_mm_rows(n) for n in (1, 2, 3, 64, 65, 128, 272, 512, 513)] == [
+        1, 2, 4, 64, 128, 128, 512, 512, 1024,
+    ]  # fmt: skip
