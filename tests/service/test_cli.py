@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -90,6 +91,11 @@ def test_serve_passes_the_kv_cache_dtype_and_refuses_unknown_ones(monkeypatch, c
     )
     monkeypatch.setattr(cli, "_check_port", lambda host, port: None)
     monkeypatch.delenv("CLONECAST_KV_CACHE_DTYPE", raising=False)
+    # uvicorn.Config applies serve's logging configuration to this process: its handlers
+    # would keep writing to this test's captured stderr, closed once the test ends
+    for logger in (logging.root, logging.getLogger("clonecast")):
+        monkeypatch.setattr(logger, "handlers", list(logger.handlers))
+        monkeypatch.setattr(logger, "level", logger.level)
     assert cli.main(["serve", "--device", "cpu", "--kv-cache-dtype", "fp8"]) == 0
     assert seen["s"].kv_cache_dtype == "fp8"
     seen.clear()
