@@ -434,6 +434,16 @@ def test_few_row_gemm_rows_is_validated():
     assert "few_row_gemm_tma" not in _cuda(few_row_gemm_rows=0).plan_overrides
 
 
+def test_codec_lag_steps_is_validated():
+    assert EngineConfig(plan_overrides={"codec_lag_steps": 25}).plan_overrides == {
+        "codec_lag_steps": 25
+    }
+    with pytest.raises(ConfigError, match=r"0\.\.25"):
+        EngineConfig(plan_overrides={"codec_lag_steps": 26})
+    with pytest.raises(ConfigError, match="integer"):
+        EngineConfig(plan_overrides={"codec_lag_steps": 1.5})
+
+
 def test_kv_cache_dtype_is_validated():
     assert EngineConfig(kv_cache_dtype="fp8").kv_cache_dtype == "fp8"
     with pytest.raises(ConfigError, match="auto or fp8"):
