@@ -18,10 +18,10 @@ def cache(tmp_path_factory):
     return tmp_path_factory.mktemp("cache")
 
 
-def _run(cache, lag: int) -> list[tuple[int, str, int, bool, bytes]]:
+def _run(cache, lag: int, device: str = "cpu") -> list[tuple[int, str, int, bool, bytes]]:
     """(step, request, chunk index, finished, pcm) of every audio event, in event order."""
     config = EngineConfig(
-        block_size=8, max_num_seqs=4, max_num_batched_tokens=256,
+        device=device, block_size=8, max_num_seqs=4, max_num_batched_tokens=256,
         plan_overrides={"codec_lag_steps": lag},
     )  # fmt: skip
     engine = Engine.from_pretrained(None, config, cache_dir=cache)
@@ -55,3 +55,11 @@ def test_a_running_batch_is_read_when_overdue_with_the_same_audio_in_order(cache
         assert delay == 2 or (step == last_step and 0 <= delay < 2), delays
     assert delays.count(2) >= len(delays) - 2
     assert [c[1] for c in lagged if c[3]] == [c[1] for c in plain if c[3]] == ["b", "a"]
+
+
+@pytest.mark.cuda
+def test_on_the_gpu_a_lagged_read_gives_the_same_chunks(cache):
+    """The codec on its own CUDA stream, in graphs, polled through its events."""
+    plain, lagged = _run(cache, 0, "cuda"), _run(cache, 3, "cuda")
+    assert [c[1:] for c in lagged] == [c[1:] for c in plain]
+    assert all(late[0] >= on_time[0] for late, on_time in zip(lagged, plain, strict=True))
