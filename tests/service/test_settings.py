@@ -54,6 +54,28 @@ def test_step_token_budget_defaults_to_the_batch_and_is_validated(monkeypatch):
         _engine_config(ServiceSettings.from_env(device="cpu"))
 
 
+def test_serve_passes_the_step_token_budget_flag_over_the_environment(monkeypatch):
+    import service.app
+    from service import cli
+
+    seen = []
+    monkeypatch.setattr(service.app, "create_app", lambda settings: seen.append(settings) or 0)
+    monkeypatch.setattr(cli, "_check_port", lambda host, port: None)
+    monkeypatch.setenv("CLONECAST_MAX_BATCHED_TOKENS", "768")
+
+    class Stop(Exception):  # leave serve() once the settings are built: nothing is served
+        pass
+
+    def stop(*args, **kwargs):
+        raise Stop
+
+    monkeypatch.setattr(service.app, "uvicorn_options", stop)
+    for argv, want in ((["--max-batched-tokens", "1024"], 1024), ([], 768)):
+        with pytest.raises(Stop):
+            cli.main(["serve", "--device", "cpu", *argv])
+        assert _engine_config(seen.pop()).max_num_batched_tokens == want
+
+
 def test_attention_backend_is_passed_to_the_engine(monkeypatch):
     """CLONECAST_ATTENTION_BACKEND selects a FlashAttention backend where present; a bad
     value or one this machine cannot run is the engine's configuration error at start."""
