@@ -110,7 +110,7 @@ def test_speak_plays_the_stream_and_shows_its_latency(page):
 
 def test_stop_cancels_at_once_and_no_audio_follows(page):
     page.fill("#text", "A long utterance that the listener interrupts.")
-    _sampling(page, max_duration=30)
+    _sampling(page, seed=1, max_duration=30)  # seeded: runs its 30 s (no early eos) until Stop
     page.click("#speak")
     page.wait_for_function("window.__clonecast.chunks >= 1", timeout=60000)
     page.click("#stop")
@@ -147,8 +147,11 @@ def test_the_page_works_from_the_keyboard_alone(page):
             break
     assert page.evaluate("document.activeElement.tagName") == "SUMMARY"  # Enter opens it
     page.keyboard.press("Enter")
-    for _ in range(5):  # Tab to the longest-sentence field and type there
+    for _ in range(4):  # Tab to the seed field (seeded: an exact length) and type there
         page.keyboard.press("Tab")
+    assert page.evaluate("document.activeElement.id") == "seed"
+    page.keyboard.type("1")
+    page.keyboard.press("Tab")  # on to the longest-sentence field and type there
     assert page.evaluate("document.activeElement.id") == "max-duration"
     page.keyboard.press("Control+A")
     page.keyboard.type("1")
