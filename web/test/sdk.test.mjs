@@ -204,3 +204,18 @@ test("the server's transient refusals are retryable; a bad request is not", () =
   }
   assert.equal(new ClonecastError("bad_parameter", "no").retryable, false);
 });
+
+test("a client that floods the socket is closed with 1008, named rate_limited (retryable)", async () => {
+  const client = await connect({ url: URL_ });
+  const refusals = [];
+  client.addEventListener("error", (e) => refusals.push(e.error.code));
+  const closed = new Promise((resolve) => client.addEventListener("close", (e) => resolve(e.error)));
+  // the default bucket: a burst of 100, then 100 refused in a row close the connection
+  const pings = Array.from({ length: 400 }, () => client.ping().catch((e) => e));
+  const error = await closed;
+  assert.equal(error.code, "rate_limited");
+  assert.equal(error.retryable, true);
+  assert.ok(refusals.length >= 100 && refusals.every((code) => code === "rate_limited"), refusals);
+  const unanswered = (await Promise.all(pings)).filter((p) => p instanceof ClonecastError);
+  assert.ok(unanswered.length > 0 && unanswered.every((e) => e.code === "rate_limited"));
+});
