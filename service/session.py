@@ -334,6 +334,7 @@ class Session:
         tag, registry = f"{self.id}/{uid}", self.services.utterances
         utt = Utterance(uid, voice, params, fmt, flushed, engine, self.loop, self, tag, registry)
         utt.voice_id = voice_id
+        utt.pick_engine = lambda: self.services.engines.pick(utt.voice_id)
         log_format = self.services.settings.log_format
         utt.report = UtteranceReport(
             self.services.metrics, "websocket", utt.tag, log_format, self.caller.name, lease

@@ -293,6 +293,7 @@ async def _generate(services, job: dict, container: ContainerEncoder | None = No
         collector, uid, services.utterances,
     )  # fmt: skip
     utt.voice_id = job["voice_id"]
+    utt.pick_engine = lambda: services.engines.pick(utt.voice_id)
     utt.report = report = UtteranceReport(
         services.metrics, "http", uid, services.settings.log_format, job["key"], job["lease"]
     )

@@ -14,6 +14,7 @@ import logging
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -135,6 +136,9 @@ class Utterance:
         self.stats = Stats()
         self.text_chars = 0
         self.engine = engine  # another may be set until a segment is submitted
+        # picks a ready engine for its voice (None: none is): where an utterance with nothing
+        # in flight goes on when its engine has died since (set by its transport)
+        self.pick_engine: Callable[[], object | None] | None = None
         self._loop, self._listener = loop, listener
         self.tag = tag
         self._prefix = f"{tag}/{uuid.uuid4().hex[:8]}"  # engine request ids of its segments
@@ -161,7 +165,10 @@ class Utterance:
     def pump(self) -> None:
         """Starts segments that may run, hands out audio that may go out, finishes when
         every segment was heard."""
-        for seg in self.to_submit():
+        submit = self.to_submit()
+        if submit and not self._on_a_live_engine():
+            return
+        for seg in submit:
             seg.request_id = f"{self._prefix}/{seg.index}"
             future = self.engine.submit(
                 seg.request_id, seg.text, self.voice, self.params, self._sink(seg)
@@ -179,6 +186,21 @@ class Utterance:
             self.state = State.DONE
             self._registry.discard(self)
             self._listener.on_done(self, tail)
+
+    def _on_a_live_engine(self) -> bool:
+        """Before submitting: an utterance whose engine has died with none of its segments in
+        flight (an `append` utterance whose text so far was all spoken, or a speak between
+        segments) lost nothing, and goes on on a ready engine; with none ready it fails with
+        `not_ready` (retryable). With segments in flight it stays: they fail with the engine."""
+        if self.engine.alive or self.active_request_ids() or self.pick_engine is None:
+            return True
+        engine = self.pick_engine()
+        if engine is None:
+            self.fail("not_ready", "its engine stopped and no engine is ready: retry shortly")
+            return False
+        log.info("utterance %s moves to another engine: its own stopped", self.tag)
+        self.engine = engine
+        return True
 
     def end(self, state: State) -> None:
         """Cancels or fails the utterance: aborts its engine requests; nothing more goes to

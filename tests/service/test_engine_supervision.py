@@ -185,3 +185,46 @@ def _b64(data: bytes) -> str:
     import base64
 
     return base64.b64encode(data).decode()
+
+
+def test_an_append_utterance_waiting_for_text_outlives_its_engine(make_server):
+    """Its text so far all spoken, nothing of it runs when the engine dies: more text while the
+    new engine starts ends it with not_ready (retryable); once one is ready, more text is
+    spoken there, and the utterance ends as usual."""
+    server = make_server()
+    services = server.services
+    supervisor = services.engines.slots[0].supervisor
+    supervisor.policy = RestartPolicy(max_attempts=1, first_delay_s=3.0)
+    params = {"max_duration_s": 0.4, "seed": 4}
+
+    async def main():
+        async with open_ws(server.ws) as ws:
+            for uid in ("early", "later"):
+                opening = {"type": "append", "id": uid, "text": "First. ", "params": params}
+                await ws.send(json.dumps(opening))
+                await recv_until(ws, "audio", timeout=120, id=uid)
+            await asyncio.to_thread(
+                _wait_for,
+                lambda: (
+                    len(services.utterances) == 2
+                    and not any(u.active_request_ids() for u in services.utterances)
+                ),
+                60,
+                "the first sentences were not spoken",
+            )
+            os.kill(services.worker.pid, signal.SIGKILL)
+            await asyncio.to_thread(_wait_for, lambda: supervisor.restarting, 20, "no restart")
+            await ws.send(json.dumps({"type": "append", "id": "early", "text": "Too soon. "}))
+            refused = await recv_until(ws, "error", timeout=30, id="early")
+            await _wait_ready_async(server)
+            await ws.send(json.dumps({"type": "append", "id": "later", "text": "Back. "}))
+            await ws.send(json.dumps({"type": "flush", "id": "later"}))
+            done = await recv_until(ws, "done", timeout=120, id="later")
+            return refused, done
+
+    (refused, _), (done, before_done) = run(main())
+    assert refused["code"] == "not_ready" and "no engine is ready" in refused["message"]
+    segments = [m["index"] for m in before_done if isinstance(m, dict) and m["type"] == "segment"]
+    assert segments == [1]  # the second sentence, spoken by the new engine
+    assert done["reason"] in ("eos", "length")
+    assert _ready_status(server) == 200
