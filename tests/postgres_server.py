@@ -10,12 +10,13 @@ import glob
 import itertools
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 from pathlib import Path
 
 import pytest
+
+from tests.serve_process import free_port
 
 SUPERUSER = "clonecast"
 PASSWORD = "pg-secret-7f3a"  # tests grep for it: it must never be shown
@@ -33,12 +34,6 @@ def _version(path: str) -> float:
         return 0.0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class PostgresServer:
     """`url(db)`: a postgresql:// URL for a database of this cluster; `new_database()`: an
     empty database of its own for each test."""
@@ -52,7 +47,7 @@ class PostgresServer:
         # as root, in /tmp itself (not a $TMPDIR that `nobody` may not enter)
         self.root = Path(tempfile.mkdtemp(prefix="clonecast-pg-", dir="/tmp" if root else None))
         self.data = self.root / "data"
-        self.port = _free_port()
+        self.port = free_port()
         self._as_user = ["runuser", "-u", "nobody", "--"] if root else []
         try:
             self._start()

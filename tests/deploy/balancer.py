@@ -12,13 +12,12 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 
-from tests.service.test_serve_signals import ROOT, _alive, _children, _free_port
+from tests.serve_process import ROOT, alive, children, free_port, spawn_serve, wait_ready
 
 TEMPLATE = ROOT / "deploy" / "haproxy" / "clonecast.cfg"
 # Debian installs it in /usr/sbin, which a user's PATH may lack
@@ -54,41 +53,21 @@ class Server:
     (a deploy) keeps the port, the model cache and the log file."""
 
     def __init__(self, name: str, workdir: Path):
-        self.name, self.port, self.workdir = name, _free_port(), workdir
+        self.name, self.port, self.workdir = name, free_port(), workdir
         self.http = f"http://127.0.0.1:{self.port}"
         self.log_path = workdir / f"{name}.log"
         self.process: subprocess.Popen | None = None
         self.children: set[int] = set()  # the engine process and multiprocessing's helpers
 
     def start(self, **env) -> None:
-        environ = {
-            **os.environ,
-            "CLONECAST_CACHE_DIR": str(self.workdir / f"{self.name}-cache"),
-            "CLONECAST_DEVICE": "cpu",
-            "CLONECAST_PORT": str(self.port),
-            "CLONECAST_DRAIN_TIMEOUT_S": "120",  # streams finish; the test never waits for it
+        self.process = spawn_serve(
+            self.workdir, port=self.port, log=self.log_path,
+            CLONECAST_CACHE_DIR=str(self.workdir / f"{self.name}-cache"),
+            CLONECAST_DRAIN_TIMEOUT_S="120",  # streams finish; the test never waits for it
             **env,
-        }
-        with self.log_path.open("a") as log:  # a file: a pipe nobody reads would fill and block
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "service.cli", "serve"],
-                cwd=ROOT,
-                env=environ,
-                stdout=subprocess.DEVNULL,
-                stderr=log,
-            )
-        deadline = time.monotonic() + 240
-        while not self._ready():
-            assert self.process.poll() is None, f"{self.name} exited: {self.log()[-3000:]}"
-            assert time.monotonic() < deadline, f"{self.name} was not ready in 240 s"
-            time.sleep(0.3)
-        self.children |= _children(self.process.pid)
-
-    def _ready(self) -> bool:
-        try:
-            return httpx.get(self.http + "/ready", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
+        )  # fmt: skip
+        wait_ready(self.process, self.http, self.log_path)
+        self.children |= children(self.process.pid)
 
     @property
     def running(self) -> bool:
@@ -119,7 +98,7 @@ class Server:
                 self.process.kill()
                 self.process.wait()
         for pid in self.children:  # an engine left behind by a kill -9 of its server
-            if _alive(pid):
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)
 
 
@@ -127,7 +106,7 @@ class Balancer:
     """HAProxy in the foreground (-db) on a loopback port, its log in a file."""
 
     def __init__(self, workdir: Path, servers: list[Server]):
-        self.port, self.socket = _free_port(), workdir / "haproxy.sock"
+        self.port, self.socket = free_port(), workdir / "haproxy.sock"
         self.http = f"http://127.0.0.1:{self.port}"
         self.ws = f"ws://127.0.0.1:{self.port}/v1/stream"
         self.log_path = workdir / "haproxy.log"

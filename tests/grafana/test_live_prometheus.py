@@ -11,7 +11,6 @@ import asyncio
 import json
 import math
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -20,6 +19,7 @@ import httpx
 import pytest
 import yaml
 
+from tests.serve_process import free_port
 from tests.service.conftest import (
     b64,
     collect,
@@ -33,12 +33,6 @@ from tests.service.conftest import (
 
 ROOT = Path(__file__).resolve().parents[2]
 PROM = ROOT / "grafana" / "prometheus"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +50,7 @@ def live(make_server, tmp_path_factory):
     [job] = config["scrape_configs"]
     job["static_configs"] = [{"targets": [target]}]
     (work / "prometheus.yml").write_text(yaml.safe_dump(config))
-    port = _free_port()
+    port = free_port()
     process = subprocess.Popen(
         [
             binary,

@@ -4,27 +4,21 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.serve_process import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    """A loopback port nothing listens on now (two test runs on one host never share one)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _bench(tmp_path, model_cache, *extra: str, voices: int = 1) -> tuple[dict, str]:
     """serve_bench at C = 2 (1 warm-up, 3 timed requests, one start, a pool of `voices`):
     the pooled figures."""
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "CLONECAST_CACHE_DIR": str(model_cache), "CLONECAST_DEVICE": "cpu"}
     cmd = [sys.executable, "benchmarks/serve_bench.py", *extra, "--concurrency", "2"]
     cmd += ["--requests", "3", "--warmup", "1", "--starts", "1", "--port", str(port)]

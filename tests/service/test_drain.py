@@ -8,56 +8,22 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
+from tests.serve_process import start_serve
 from tests.service.conftest import collect, open_ws, recv_until, run, speak
-from tests.service.test_serve_signals import ROOT, _free_port
-
-
-def _start(tmp_path: Path, **env) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
-    environ = {
-        **os.environ,
-        "CLONECAST_CACHE_DIR": str(tmp_path / "cache"),
-        "CLONECAST_DEVICE": "cpu",
-        "CLONECAST_PORT": str(port),
-        **env,
-    }
-    server = subprocess.Popen(
-        [sys.executable, "-m", "service.cli", "serve"],
-        cwd=ROOT,
-        env=environ,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    base = f"127.0.0.1:{port}"
-    deadline = time.monotonic() + 240
-    while True:
-        assert server.poll() is None, server.stderr.read()
-        try:
-            if httpx.get(f"http://{base}/ready", timeout=2).status_code == 200:
-                return server, base
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "the server was not ready in 240 s"
-        time.sleep(0.5)
 
 
 @pytest.mark.skipif(not hasattr(signal, "SIGTERM"), reason="POSIX signals")
 def test_sigterm_drains_running_streams_refuses_new_work_and_exits_0(tmp_path):
-    server, base = _start(tmp_path, CLONECAST_DRAIN_TIMEOUT_S="5")
-    http, ws_url = f"http://{base}", f"ws://{base}/v1/stream"
+    server, http, log = start_serve(tmp_path, CLONECAST_DRAIN_TIMEOUT_S="5")
+    ws_url = http.replace("http://", "ws://") + "/v1/stream"
 
     async def main():
         async with open_ws(ws_url) as ws:
@@ -85,7 +51,8 @@ def test_sigterm_drains_running_streams_refuses_new_work_and_exits_0(tmp_path):
             return ready, health, refused, refused_connection, utts, closed, t_signal
 
     ready, health, refused, refused_connection, utts, closed, t_signal = run(main())
-    _, stderr = server.communicate(timeout=60)
+    server.wait(timeout=60)
+    output = log.read_text()
     assert ready.json()["error"]["code"] == "draining"
     assert health.status_code == 200 and health.json()["status"] == "draining"
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
@@ -97,8 +64,8 @@ def test_sigterm_drains_running_streams_refuses_new_work_and_exits_0(tmp_path):
     assert utts["long"].payload  # it streamed until the deadline
     assert closed == 1012
     assert time.monotonic() - t_signal < 5 + 30
-    assert server.returncode == 0, stderr[-2000:]
-    assert "drained: 1 utterances finished, 1 ended" in stderr, stderr[-2000:]
+    assert server.returncode == 0, output[-2000:]
+    assert "drained: 1 utterances finished, 1 ended" in output, output[-2000:]
 
 
 async def _refused_connection(url: str) -> tuple[str, int]:

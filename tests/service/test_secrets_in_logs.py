@@ -9,67 +9,15 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import os
 import secrets
-import signal
-import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
 from websockets.asyncio.client import connect
 
+from tests.serve_process import start_serve, stop_serve
+
 from .conftest import recv_json, recv_until, speak
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_serve(tmp_path: Path, *args: str, **env: str) -> tuple[subprocess.Popen, str, Path]:
-    """`clonecast serve ARGS` on a free port with its stdout and stderr in one file; returns
-    (process, base URL, log file) once /ready answers 200."""
-    port = _free_port()
-    log = tmp_path / "serve.log"
-    full_env = {
-        **os.environ,
-        "CLONECAST_CACHE_DIR": str(tmp_path / "cache"),
-        "CLONECAST_DEVICE": "cpu",
-        "CLONECAST_VOICE_STORE": "memory",
-        **env,
-    }
-    with log.open("w") as out:
-        server = subprocess.Popen(
-            [sys.executable, "-m", "service.cli", "serve", "--port", str(port), *args],
-            cwd=ROOT, env=full_env, stdout=out, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 240
-    while True:
-        assert server.poll() is None, log.read_text()[-3000:]
-        try:
-            if httpx.get(url + "/ready", timeout=2).status_code == 200:
-                return server, url, log
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "not ready in 240 s"
-        time.sleep(0.5)
-
-
-def stop_serve(server: subprocess.Popen) -> None:
-    if server.poll() is None:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
 
 
 async def _ws_session(uri: str, uid: str, **kwargs) -> None:
@@ -100,6 +48,7 @@ def test_no_key_or_token_is_logged_by_a_run_using_every_auth_method(tmp_path):
         str(key_file),
         CLONECAST_API_KEYS=plain,
         CLONECAST_ADMIN_KEYS=admin,
+        CLONECAST_VOICE_STORE="memory",
     )
     ws_url = url.replace("http", "ws") + "/v1/stream"
     speech = {"input": "Hi.", "max_duration_s": 0.3, "response_format": "pcm"}

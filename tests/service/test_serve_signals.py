@@ -4,87 +4,39 @@ process with it, and leave no multiprocessing semaphore behind."""
 
 from __future__ import annotations
 
-import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _children(pid: int) -> set[int]:
-    """Direct children of pid (Linux /proc)."""
-    found = set()
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        found.update(int(c) for c in (task / "children").read_text().split())
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state != "Z"  # a zombie has exited; only its parent's wait is missing
+from tests.serve_process import alive, children, free_port, spawn_serve, wait_ready
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads /proc (Linux)")
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_stops_server_and_engine_without_leaks(sig, tmp_path):
-    port = _free_port()
-    env = {
-        **os.environ,
-        "CLONECAST_CACHE_DIR": str(tmp_path / "cache"),
-        "CLONECAST_DEVICE": "cpu",
-        "CLONECAST_PORT": str(port),
-    }
-    server = subprocess.Popen(
-        [sys.executable, "-m", "service.cli", "serve"],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    port, log = free_port(), tmp_path / "serve.log"
+    server = spawn_serve(tmp_path, port=port, log=log)
     try:
-        deadline = time.monotonic() + 240
-        while True:
-            assert server.poll() is None, server.stderr.read()
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "the server was not ready in 240 s"
-            time.sleep(0.5)
-        children = _children(server.pid)
-        assert children  # the engine process (and multiprocessing's resource tracker)
+        wait_ready(server, f"http://127.0.0.1:{port}", log)
+        engine = children(server.pid)
+        assert engine  # the engine process (and multiprocessing's resource tracker)
         server.send_signal(sig)
-        _, stderr = server.communicate(timeout=60)
+        server.wait(timeout=60)
     finally:
         if server.poll() is None:
             server.kill()
-            server.communicate()
-    assert server.returncode in (0, -sig), (server.returncode, stderr[-2000:])
-    assert "Application shutdown complete" in stderr  # graceful: the lifespan's shutdown ran
-    assert "leaked" not in stderr, stderr[-2000:]
+            server.wait()
+    output = log.read_text()
+    assert server.returncode in (0, -sig), (server.returncode, output[-2000:])
+    assert "Application shutdown complete" in output  # graceful: the lifespan's shutdown ran
+    assert "leaked" not in output, output[-2000:]
     deadline = time.monotonic() + 10
-    while any(_alive(c) for c in children) and time.monotonic() < deadline:
+    while any(alive(c) for c in engine) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not any(_alive(c) for c in children)
+    assert not any(alive(c) for c in engine)
 
 
 def test_the_port_answers_while_the_model_loads(tmp_path):
@@ -93,12 +45,8 @@ def test_the_port_answers_while_the_model_loads(tmp_path):
     seconds: writing it, importing torch, spawning the engine process, a warm-up.)"""
     import json as json_
 
-    port = _free_port()
-    env = {**os.environ, "CLONECAST_CACHE_DIR": str(tmp_path / "cache"), "CLONECAST_DEVICE": "cpu"}
-    server = subprocess.Popen(
-        [sys.executable, "-m", "service.cli", "serve", "--port", str(port)],
-        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    port = free_port()
+    server = spawn_serve(tmp_path, port=port, log=tmp_path / "serve.log")
     seen = []
     try:
         deadline = time.monotonic() + 240

@@ -21,9 +21,9 @@ from service.voice_db import StoreReadError
 from service.voice_db_postgres import PostgresVoiceDatabase
 from service.voices import RECHECK_S, VoiceError, VoiceStore
 from tests.postgres_server import PASSWORD
+from tests.serve_process import start_serve, stop_serve
 
 from .conftest import b64, collect, expect_error, open_ws, recv_until, reference_audio, run, speak
-from .test_secrets_in_logs import start_serve, stop_serve
 
 REF = VoiceReference(tuple((i % 1024, 1, 2, 3, 4, 5, 6, 1023) for i in range(30)), "Said.")
 OTHER = VoiceReference(((7,) * 8,) * 5, None)
