@@ -128,7 +128,8 @@ async def speech(request: Request) -> Response:
     try:
         audio = collecting.result()
     except BadInput as exc:
-        status = 503 if exc.code == "draining" else 500  # the server shut down first
+        # the server shut down first, or the engine died before the request reached it
+        status = 503 if exc.code in ("draining", "not_ready") else 500
         return error(request, exc.code, f"generation failed: {exc}", status, count=False)
     if encoder is not None:  # the complete file, with what its encoder filled in at the end
         audio = encoder.whole()

@@ -165,6 +165,13 @@ class Utterance:
     def pump(self) -> None:
         """Starts segments that may run, hands out audio that may go out, finishes when
         every segment was heard."""
+        for item in self.next_audio():  # first: a failure to submit below loses none of it
+            if isinstance(item, SegmentStart):
+                self._listener.on_segment(self, item)
+                continue
+            self._listener.on_audio(self, item.data, item.start_frame, item.end_frame)
+            if self.state is not State.RUNNING:
+                return  # the listener ended it (a slow reader)
         submit = self.to_submit()
         if submit and not self._on_a_live_engine():
             return
@@ -174,13 +181,6 @@ class Utterance:
                 seg.request_id, seg.text, self.voice, self.params, self._sink(seg)
             )
             future.add_done_callback(lambda f, seg=seg: self._submitted(f, seg))
-        for item in self.next_audio():
-            if isinstance(item, SegmentStart):
-                self._listener.on_segment(self, item)
-                continue
-            self._listener.on_audio(self, item.data, item.start_frame, item.end_frame)
-            if self.state is not State.RUNNING:
-                return  # the listener ended it (a slow reader)
         if self.complete:
             tail = self.encoder.finish()
             self.state = State.DONE
@@ -192,7 +192,7 @@ class Utterance:
         flight (an `append` utterance whose text so far was all spoken, or a speak between
         segments) lost nothing, and goes on on a ready engine; with none ready it fails with
         `not_ready` (retryable). With segments in flight it stays: they fail with the engine."""
-        if self.engine.alive or self.active_request_ids() or self.pick_engine is None:
+        if self.pick_engine is None or self.engine.alive or self.active_request_ids():
             return True
         engine = self.pick_engine()
         if engine is None:
