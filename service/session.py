@@ -165,7 +165,10 @@ class Session:
         )
 
     async def _on_ping(self, message: dict) -> None:
-        self.send_json({"type": "pong", "t": time.time()})
+        pong = {"type": "pong", "t": time.time()}
+        if "request_id" in message:  # a client matches its pongs (some pings may be refused)
+            pong["request_id"] = message["request_id"]
+        self.send_json(pong)
 
     async def _on_voice_create(self, message: dict) -> None:
         transcript = check_transcript(message.get("transcript"))

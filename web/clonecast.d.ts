@@ -132,7 +132,7 @@ export class Client extends EventTarget {
   createVoice(audio: AudioBytes, transcript?: string | null): Promise<VoiceCreated>;
   speak(text: string, opts?: SpeakOptions): Utterance;
   stream(opts?: SpeakOptions): Utterance;
-  ping(): Promise<{ type: "pong"; t: number }>;
+  ping(): Promise<{ type: "pong"; t: number; request_id?: string }>;
   close(): void;
 }
 

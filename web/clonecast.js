@@ -150,9 +150,15 @@ export class Client extends EventTarget {
   ping() {
     return new Promise((resolve, reject) => {
       this._live(reject);
-      this._pings.push({ resolve, reject });
-      this._send({ type: "ping" });
+      const requestId = nextId("p"); // its pong, or its refusal, carries it
+      this._pings.push({ requestId, resolve, reject });
+      this._send({ type: "ping", request_id: requestId });
     });
+  }
+
+  _takePing(requestId) {
+    const at = this._pings.findIndex((p) => p.requestId === requestId);
+    return at < 0 ? null : this._pings.splice(at, 1)[0];
   }
 
   close() {
@@ -212,7 +218,9 @@ export class Client extends EventTarget {
         return;
       }
       case "pong":
-        this._pings.shift()?.resolve(message);
+        // a server that does not echo request_id answers in order
+        (message.request_id === undefined ? this._pings.shift() : this._takePing(message.request_id))
+          ?.resolve(message);
         return;
       case "audio":
         this._meta.set(`${message.id}/${message.seq}`, message);
@@ -245,11 +253,14 @@ export class Client extends EventTarget {
     });
     const utt = this._utterances.get(message.id);
     const waiter = this._voices.get(message.request_id);
+    const ping = utt || waiter ? null : this._takePing(message.request_id);
     if (utt) {
       utt._onError(error);
     } else if (waiter) {
       this._voices.delete(message.request_id);
       waiter.reject(error);
+    } else if (ping) {
+      ping.reject(error); // refused (rate_limited): the connection goes on
     } else {
       // not about a running utterance or voice: for whoever listens to the client
       this.dispatchEvent(Object.assign(new Event("error"), { error }));

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -45,6 +46,26 @@ def test_async_client_voice_speak_cancel_and_wav(server, tmp_path):
             with pytest.raises(ClonecastError) as err:
                 await client.speak("x", voice_id="v_missing").collect()
             assert err.value.code == "unknown_voice"
+
+    run(go())
+
+
+def test_a_refused_ping_fails_alone_and_the_others_get_their_pongs(server):
+    """Over the connection's burst (100 messages at once): the pings refused with
+    rate_limited raise it, each accepted one returns its own round trip, and the connection
+    goes on (the refusals are matched by request_id, not by order)."""
+
+    async def go():
+        async with await AsyncClient.connect(server.ws) as client:
+            results = await asyncio.gather(
+                *(client.ping() for _ in range(110)), return_exceptions=True
+            )
+            refused = [r for r in results if isinstance(r, BaseException)]
+            assert 1 <= len(refused) <= 10, results
+            assert all(isinstance(r, ClonecastError) and r.code == "rate_limited" for r in refused)
+            assert not client.errors  # each refusal went to its ping, none left unmatched
+            await asyncio.sleep(0.5)  # the bucket refills
+            assert 0 < await client.ping() < 5
 
     run(go())
 

@@ -323,7 +323,8 @@ def scripted_server():
                 created = {"voice_id": f"v_{len(payload)}", "request_id": message["request_id"]}
                 await ws.send(json.dumps({"type": "voice.created", **created}))
             elif message["type"] == "ping":
-                await ws.send(json.dumps({"type": "pong", "t": message["t"]}))
+                pong = {"type": "pong", "t": 0.0, "request_id": message["request_id"]}
+                await ws.send(json.dumps(pong))
             elif message["type"] == "speak" and message.get("voice_id") == "v_bad":
                 error = {"type": "error", "code": "unknown_voice", "message": "no such voice"}
                 await ws.send(json.dumps({**error, "id": message["id"]}))

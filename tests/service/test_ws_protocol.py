@@ -50,6 +50,20 @@ def test_the_server_does_not_compress_audio_frames(server):
     run(go())
 
 
+def test_a_pong_echoes_its_pings_request_id(server):
+    async def main():
+        async with open_ws(server.ws) as ws:
+            await ws.send(json.dumps({"type": "ping", "request_id": "p-7"}))
+            tagged, _ = await recv_until(ws, "pong")
+            await ws.send(json.dumps({"type": "ping"}))
+            plain, _ = await recv_until(ws, "pong")
+            return tagged, plain
+
+    tagged, plain = run(main())
+    assert tagged["request_id"] == "p-7" and isinstance(tagged["t"], float)
+    assert "request_id" not in plain
+
+
 def test_ready_message_describes_protocol_model_audio_and_limits(server):
     async def main():
         async with connect(server.ws, open_timeout=30) as ws:

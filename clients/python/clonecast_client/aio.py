@@ -196,7 +196,8 @@ class AsyncClient:
         self._closing = False
         self._utterances: dict[str, Utterance] = {}
         self._voices: dict[str, asyncio.Future] = {}  # request_id -> voice.created
-        self._pings: collections.deque[asyncio.Future] = collections.deque()
+        # pings waiting for their pong, by request_id (a refused one gets an error instead)
+        self._pings: dict[str, asyncio.Future] = {}
         self._audio_meta: dict[tuple[str, int], dict] = {}  # (id, seq) -> its `audio` message
         self._send_lock = asyncio.Lock()  # keeps voice.upload and its binary frame together
         self._utterance_ids = itertools.count(1)
@@ -306,14 +307,14 @@ class AsyncClient:
     async def ping(self) -> float:
         """Round trip to the server, in seconds."""
         pong = asyncio.get_running_loop().create_future()
-        self._pings.append(pong)
+        request_id = f"ping-{next(self._request_ids)}"
+        self._pings[request_id] = pong
         t0 = time.perf_counter()
         try:
-            await self._send({"type": "ping", "t": time.time()})
-        except ClonecastError:
-            self._pings.remove(pong)
-            raise
-        await pong
+            await self._send({"type": "ping", "request_id": request_id})
+            await pong
+        finally:
+            self._pings.pop(request_id, None)
         return time.perf_counter() - t0
 
     async def close(self) -> None:
@@ -399,8 +400,12 @@ class AsyncClient:
             created = self._voices.get(message.get("request_id"))
             if created is not None and not created.done():
                 created.set_result(message)
-        elif kind == "pong" and self._pings:
-            self._pings.popleft().set_result(message)
+        elif kind == "pong":
+            # a server that does not echo request_id answers in order
+            key = message.get("request_id", next(iter(self._pings), None))
+            pong = self._pings.pop(key, None)
+            if pong is not None and not pong.done():
+                pong.set_result(message)
         elif (utt := self._utterances.get(message.get("id"))) is None:
             return  # a late message for an utterance this client has finished with
         elif kind == "audio":
@@ -429,6 +434,9 @@ class AsyncClient:
         error = ClonecastError(str(message.get("code", "internal")), str(message.get("message")))
         utt = self._utterances.get(message.get("id"))
         created = self._voices.get(message.get("request_id"))
+        ping = None
+        if utt is None and created is None:
+            ping = self._pings.pop(message.get("request_id"), None)
         if utt is not None:  # the server has ended (or never began) it: nothing more comes
             del self._utterances[utt.id]
             if utt._cancel_sent and error.code == "unknown_id":  # it finished as we cancelled
@@ -438,6 +446,9 @@ class AsyncClient:
         elif created is not None:
             if not created.done():
                 created.set_exception(error)
+        elif ping is not None:  # refused (rate_limited): the connection goes on
+            if not ping.done():
+                ping.set_exception(error)
         else:
             self.errors.append(error)
 
@@ -451,7 +462,7 @@ class AsyncClient:
         for utt in self._utterances.values():
             utt._end(error.copy())
         self._utterances.clear()
-        for waiter in [*self._voices.values(), *self._pings]:
+        for waiter in [*self._voices.values(), *self._pings.values()]:
             if not waiter.done():
                 waiter.set_exception(error.copy())
         self._pings.clear()
