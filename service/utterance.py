@@ -163,7 +163,7 @@ class Utterance:
     # -- the engine --------------------------------------------------------------------------
 
     def pump(self) -> None:
-        """Starts segments that may run, hands out audio that may go out, finishes when
+        """Hands out audio that may go out, starts segments that may run, finishes when
         every segment was heard."""
         for item in self.next_audio():  # first: a failure to submit below loses none of it
             if isinstance(item, SegmentStart):
