@@ -368,3 +368,18 @@ def test_one_log_line_per_utterance_without_its_text(server, caplog):
     assert 'outcome="cancelled"' in cancelled and '/gone"' in cancelled
     assert 'transport="http"' in http and 'outcome="length"' in http
     assert not any("ecret" in line or "Another" in line for line in lines)
+
+
+def test_speech_whose_engine_died_before_it_started_is_503_not_ready(server, monkeypatch):
+    """The engine picked for the request is dead by the time its utterance starts and none
+    is ready: 503 not_ready (retry later), as when no engine was ready at all."""
+    from types import SimpleNamespace
+
+    # a dead client still checks text (in this process); it can no longer submit
+    dead = SimpleNamespace(alive=False, check_text=server.services.worker.check_text)
+    picks = iter([dead])
+    monkeypatch.setattr(server.services.engines, "pick", lambda voice: next(picks, None))
+    body = {"input": "Too late.", "response_format": "pcm", "max_duration_s": 0.4, "seed": 1}
+    r = httpx.post(server.http + "/v1/audio/speech", json=body, timeout=60)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "not_ready"
+    assert "no engine is ready" in r.json()["error"]["message"]
