@@ -210,7 +210,7 @@ MUTANTS = (
     Mutant(
         "codec-finished-batch-held",
         "engine/audio_output.py",
-        " or pending.ready()):",
+        " or _ready(pending)):",
         "):",
         ("tests/engine/test_codec_lag.py",),
         "with a codec read-back lag, every chunk is held back that many steps, finished or not",
@@ -226,7 +226,7 @@ MUTANTS = (
     Mutant(
         "utterance-stays-on-a-dead-engine",
         "service/utterance.py",
-        "        if self.engine.alive or self.active_request_ids() or self.pick_engine is None:",
+        "        if self.pick_engine is None or self.engine.alive or self.active_request_ids():",
         "        if True:",
         (
             "tests/service/test_engine_supervision.py::"
