@@ -65,15 +65,6 @@ class RequestOutput:
     error: str | None = None  # why it ended, with finish_reason "error" (else the audio's)
 
 
-def _ready(pending: PendingChunks) -> bool:
-    """Whether a batch has finished; one whose event reports an error is due at once: its
-    read-back fails, and ends only its requests."""
-    try:
-        return pending.ready()
-    except Exception:
-        return True
-
-
 class AudioOutput:
     def __init__(self, chunks: ChunkDecoder | None, config: StreamConfig, lag_steps: int = 0):
         self.chunks = chunks  # None: the engine has no codec (codes-only requests)
@@ -139,7 +130,7 @@ class AudioOutput:
             self.collects += 1
         due = 0
         for pending, _, _, before in self.in_flight:
-            if not (wait_all or self.collects - before > self.lag_steps or _ready(pending)):
+            if not (wait_all or self.collects - before > self.lag_steps or pending.ready()):
                 break
             due += 1
         batches, self.in_flight = self.in_flight[:due], self.in_flight[due:]

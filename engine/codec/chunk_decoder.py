@@ -50,8 +50,12 @@ class PendingChunks:
         self._launched.append((members, pcm, finite, event))
 
     def ready(self) -> bool:
-        """Whether `result()` would return without waiting on the GPU."""
-        return all(event is None or event.query() for *_, event in self._launched)
+        """Whether `result()` would return without waiting on the GPU: also when an event
+        reports an error (a CUDA fault), which `result()` raises for these windows alone."""
+        try:
+            return all(event is None or event.query() for *_, event in self._launched)
+        except Exception:
+            return True
 
     def result(self) -> list[DecodedChunk]:
         for members, pcm, finite, event in self._launched:

@@ -69,9 +69,20 @@ def test_a_batch_whose_event_reports_an_error_is_read_at_once(cache, monkeypatch
     """A CUDA error surfacing at the poll (not at the read) must not fail the whole step:
     the batch is read as if finished, where a failed read-back ends only its requests."""
 
-    def broken(self):
-        raise RuntimeError("CUDA error: an illegal instruction was encountered")
+    class FaultyEvent:  # what a CUDA event does after a fault on its stream
+        def query(self):
+            raise RuntimeError("CUDA error: an illegal instruction was encountered")
+
+        def synchronize(self):
+            pass  # (here the read-back itself works: the audio must be the same)
 
     plain = _run(cache, 0)
-    monkeypatch.setattr(PendingChunks, "ready", broken)
+    add_batch = PendingChunks.add_batch
+    monkeypatch.setattr(
+        PendingChunks,
+        "add_batch",
+        lambda self, members, pcm, finite, event: add_batch(
+            self, members, pcm, finite, FaultyEvent()
+        ),
+    )
     assert _run(cache, 2) == plain

@@ -210,7 +210,7 @@ MUTANTS = (
     Mutant(
         "codec-finished-batch-held",
         "engine/audio_output.py",
-        " or _ready(pending)):",
+        " or pending.ready()):",
         "):",
         ("tests/engine/test_codec_lag.py",),
         "with a codec read-back lag, every chunk is held back that many steps, finished or not",
