@@ -291,3 +291,30 @@ def test_another_output_rate_is_resampled_by_the_server_and_played_at_it(page, t
 
     audio, rate = sf.read(tmp_path / "heard.wav", dtype="int16")
     assert rate == 16000 and len(audio) == 16000
+
+
+def test_in_chromium_a_refused_ping_rejects_alone_and_the_socket_stays(page):
+    """The SDK as the page loads it, over Chromium's own WebSocket: 110 pings at once go over
+    the connection's burst of 100; the refused ones reject with rate_limited (matched by
+    request_id), every other one gets its pong, and the connection goes on."""
+    got = page.evaluate(
+        """async () => {
+            const { connect, ClonecastError } = await import("/clonecast.js");
+            const url = location.origin.replace("http", "ws") + "/v1/stream";
+            const client = await connect({ url });
+            const settled = (p) => Promise.race([  // a ping left unsettled fails, not hangs
+                p.then((pong) => pong.type,
+                       (e) => (e instanceof ClonecastError ? e.code : String(e))),
+                new Promise((resolve) => setTimeout(() => resolve("unsettled"), 10000)),
+            ]);
+            const results = await Promise.all(Array.from({ length: 110 }, () =>
+                settled(client.ping())));
+            await new Promise((resolve) => setTimeout(resolve, 500));  // the bucket refills
+            const after = (await client.ping()).type;
+            client.close();
+            return { results, after };
+        }"""
+    )
+    refused = [r for r in got["results"] if r != "pong"]
+    assert 1 <= len(refused) <= 10 and set(refused) == {"rate_limited"}, got["results"]
+    assert got["after"] == "pong"
