@@ -234,6 +234,26 @@ def test_voice_created_resolves_the_right_request():
     asyncio.run(main())
 
 
+def test_pings_are_matched_by_request_id_and_in_order_from_a_server_that_does_not_echo():
+    async def main():
+        client, conn = await start()
+        first, second, third = (asyncio.create_task(client.ping()) for _ in range(3))
+        await asyncio.sleep(0)
+        ids = [m["request_id"] for m in conn.sent_json()]
+        assert [m["type"] for m in conn.sent_json()] == ["ping"] * 3 and len(set(ids)) == 3
+        conn.feed({"type": "error", "code": "rate_limited", "message": "m", "request_id": ids[1]})
+        conn.feed({"type": "pong", "t": 0.0, "request_id": ids[2]})
+        with pytest.raises(ClonecastError, match="rate_limited"):
+            await asyncio.wait_for(second, 5)
+        assert await asyncio.wait_for(third, 5) >= 0 and not first.done()
+        conn.feed({"type": "pong", "t": 0.0})  # no request_id (an older server): the oldest
+        assert await asyncio.wait_for(first, 5) >= 0
+        assert not client.errors  # the refusal went to its ping
+        await client.close()
+
+    asyncio.run(main())
+
+
 def test_stream_sends_its_voice_once_and_flush_waits_for_flushed():
     def reply(conn, message):
         if message["type"] == "flush":
