@@ -106,7 +106,7 @@ PY
 fi
 if [ "${PROTOCOL:-0}" = 1 ]; then
   timeout ${PROTOCOL_LIMIT:-560} python3 benchmarks/serve_bench.py --model $CKPT --concurrency ${PROTOCOL_C:-1,32,64,128,256} --voices ${PROTOCOL_VOICES:-64cold} --timed-s ${PROTOCOL_S:-10} --warmup 64 --starts 3 --fresh-server --max-num-seqs 256 ${PROTOCOL_ARGS:-} --out "$OUT/protocol" > "$OUT/protocol.log" 2>&1
-  grep -v "^[0-9]* voices C=" "$OUT/protocol.log" | tail -60
+  grep -v -e "^[0-9]* voices C=" -e "^  C=" "$OUT/protocol.log" | tail -60
 fi
 for lever in ${LEVERS:-}; do
   name=${lever%%:*}; assigns=${lever#*:}

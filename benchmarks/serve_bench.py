@@ -171,9 +171,29 @@ async def run_load(
                 rec.client = c
                 records.append((i, rec))
 
-    await asyncio.gather(*(client(c) for c in range(concurrency)))
+    reporter = asyncio.create_task(_report_progress(records, warmup, concurrency))
+    try:
+        await asyncio.gather(*(client(c) for c in range(concurrency)))
+    finally:
+        reporter.cancel()
     ordered = sorted(records, key=lambda x: x[0])
     return [r for i, r in ordered if i >= warmup], [r for _, r in ordered], min(first_idle)
+
+
+async def _report_progress(records: list, warmup: int, concurrency: int, every_s: float = 15.0):
+    """A line every `every_s` while a load runs, so that a run cut short by its time limit
+    still tells a slow start (requests finishing) from a stall (none for a while)."""
+    start = time.perf_counter()
+    while True:
+        await asyncio.sleep(every_s)
+        done = len(records)
+        last = max((rec.done for _, rec in records), default=start)
+        print(
+            f"  C={concurrency}: {time.perf_counter() - start:.0f} s into the load, "
+            f"{min(done, warmup)} of {warmup} warm-up and {max(0, done - warmup)} timed "
+            f"requests done, the last {time.perf_counter() - last:.1f} s ago",
+            flush=True,
+        )
 
 
 def saturated(timed: list[Record], every: list[Record], end: float) -> tuple[float, float, int]:
@@ -253,13 +273,15 @@ def start_server(
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "PYTHONPATH": path, **env_extra}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 900
+    started = time.monotonic()
+    deadline = started + 900
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited ({proc.returncode}); see {log}")
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2) as r:
                 if r.status == 200:
+                    print(f"server ready after {time.monotonic() - started:.0f} s", flush=True)
                     return proc
         except OSError:
             pass

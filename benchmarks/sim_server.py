@@ -100,7 +100,7 @@ def main() -> None:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=max(512, args.max_num_seqs),
         row_events=False,  # as the service configures its engine
-        plan_overrides=settings.plan,  # CLONECAST_PLAN, e.g. {"codec_lag_steps": 2}
+        plan_overrides=settings.plan,  # CLONECAST_PLAN
     )
     engine = Engine.from_pretrained(None, config)
     simulate(engine, a, b, args.codec_ms)

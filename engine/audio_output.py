@@ -3,12 +3,9 @@ flight, and the finishes held back for their last chunk.
 
 A step's rows complete chunk windows (engine/streaming.py); `submit` hands them to the codec
 as one batch per shape, which runs on its own CUDA stream and is read back by `collect` on a
-later step: the next one (waiting for the codec if it is still running), or with `lag_steps`
-the first one at which it has finished, at most that many steps later (the plan's
-`codec_lag_steps`: the engine's thread then waits on the codec only when it falls behind).
-A request that ends while its last chunk is decoding is finished at once by the engine
-(blocks and slot freed) and `hold`-ed here: its finishing event goes out with that chunk, and
-its id stays taken until then. Also home of the event types the engine returns.
+later step. A request that ends while its last chunk is decoding is finished at once by the
+engine (blocks and slot freed) and `hold`-ed here: its finishing event goes out with that
+chunk, and its id stays taken until then. Also home of the event types the engine returns.
 """
 
 from __future__ import annotations
@@ -66,15 +63,13 @@ class RequestOutput:
 
 
 class AudioOutput:
-    def __init__(self, chunks: ChunkDecoder | None, config: StreamConfig, lag_steps: int = 0):
+    def __init__(self, chunks: ChunkDecoder | None, config: StreamConfig):
         self.chunks = chunks  # None: the engine has no codec (codes-only requests)
         self.config = config
-        self.lag_steps = lag_steps
         self.streams: dict[str, AudioStream] = {}
-        # submitted batches not read back yet, oldest first, with each window's request, the
-        # time it was submitted and the number of collects before it
-        self.in_flight: list[tuple[PendingChunks, list[Request], float, int]] = []
-        self.collects = 0
+        # submitted batches not read back yet, oldest first, with each window's request and
+        # the time it was submitted
+        self.in_flight: list[tuple[PendingChunks, list[Request], float]] = []
         self.batch_latencies: list[tuple[float, int]] = []  # (seconds, windows) per batch read
         self.held: dict[str, Request] = {}
 
@@ -113,29 +108,16 @@ class AudioOutput:
                 windows.append(window)
                 owners.append(request)
         if windows:
-            submitted = (self.chunks.submit(windows), owners, time.monotonic(), self.collects)
-            self.in_flight.append(submitted)
+            self.in_flight.append((self.chunks.submit(windows), owners, time.monotonic()))
         return {r.request_id for r in owners}, failed
 
-    def collect(
-        self, finish: Callable[[Request, FinishReason], None], wait_all: bool = False
-    ) -> list[RequestOutput]:
-        """Reads the submitted batches that are due, oldest first, and turns their chunks into
-        events: with `wait_all` every batch, else (once a step) those that have finished and
-        those submitted over `lag_steps` collects ago, waited for. Batches complete in order
-        on the codec's stream, so reading stops at the first one that is neither: a request's
-        chunks keep their order. A codec failure, or a batch that cannot be read back, ends
-        its requests alone with an error (through `finish` when they are still running)."""
-        if not wait_all:
-            self.collects += 1
-        due = 0
-        for pending, _, _, before in self.in_flight:
-            if not (wait_all or self.collects - before > self.lag_steps or pending.ready()):
-                break
-            due += 1
-        batches, self.in_flight = self.in_flight[:due], self.in_flight[due:]
+    def collect(self, finish: Callable[[Request, FinishReason], None]) -> list[RequestOutput]:
+        """Reads every submitted batch (waiting for any still running) and turns its chunks
+        into events. A codec failure, or a batch that cannot be read back, ends its requests
+        alone with an error (through `finish` when they are still running)."""
         outputs = []
-        for pending, owners, submitted, _ in batches:
+        batches, self.in_flight = self.in_flight, []
+        for pending, owners, submitted in batches:
             try:
                 decoded_chunks = pending.result()
             except Exception as exc:

@@ -92,8 +92,7 @@ class Engine:
             report = self.codec.capture_graphs(config.stream)
             self.capture_reports += [report] if report is not None else []
         self.audio_limits = AudioLimits()
-        chunks = self.codec.chunks if self.codec else None
-        self.audio = AudioOutput(chunks, config.stream, self.plan.codec_lag_steps)
+        self.audio = AudioOutput(self.codec.chunks if self.codec else None, config.stream)
         self._counters = StepCounters()
         self._observed = Observations()
         self._shape = READBACK  # what the step now running launched
@@ -243,7 +242,7 @@ class Engine:
                 raise emit_error
             if self._in_flight is None and launched is None:  # nothing on the GPU: hold no
                 with timing("audio"):  # audio back
-                    outputs += self.audio.collect(self._finish, wait_all=True)
+                    outputs += self.audio.collect(self._finish)
             return outputs
 
     def _read_first_if_short_of_blocks(self) -> list[RequestOutput]:

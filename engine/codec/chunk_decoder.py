@@ -49,14 +49,6 @@ class PendingChunks:
         valid once `event` has completed (None: valid now)."""
         self._launched.append((members, pcm, finite, event))
 
-    def ready(self) -> bool:
-        """Whether `result()` would return without waiting on the GPU: also when an event
-        reports an error (a CUDA fault), which `result()` raises for these windows alone."""
-        try:
-            return all(event is None or event.query() for *_, event in self._launched)
-        except Exception:
-            return True
-
     def result(self) -> list[DecodedChunk]:
         for members, pcm, finite, event in self._launched:
             if event is not None:

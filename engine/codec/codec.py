@@ -3,6 +3,7 @@ reference encoder and the voice cache, loaded together from one source."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from pathlib import Path
 
@@ -20,6 +21,21 @@ from engine.cuda_graphs import CaptureReport
 from engine.plan import ExecutionPlan
 
 
+def cudnn_autotuned(on: bool):
+    """cuDNN's benchmark mode for the calls inside (the warm-up calls before each capture
+    time every algorithm for their shape; the capture and later replays keep the winner),
+    every other cuDNN setting as it is."""
+    if not on:
+        return contextlib.nullcontext()
+    cudnn = torch.backends.cudnn
+    return cudnn.flags(
+        enabled=cudnn.enabled,
+        benchmark=True,
+        deterministic=cudnn.deterministic,
+        allow_tf32=cudnn.allow_tf32,
+    )
+
+
 class Codec:
     def __init__(
         self,
@@ -30,7 +46,7 @@ class Codec:
         plan: ExecutionPlan | None = None,
     ):
         """`plan`: codec_dtype, fused_ops (Triton Snake), codec_channels_last (NHWC
-        activations), codec_graph_max_batch (see `capture_graphs`)."""
+        activations), codec_graph_max_batch and codec_autotune (see `capture_graphs`)."""
         self.plan = plan = plan or ExecutionPlan()
         self.config = cfg
         dtype = getattr(torch, plan.codec_dtype)
@@ -60,7 +76,8 @@ class Codec:
             return None
         window = stream.left_context_frames + stream.chunk_frames + stream.holdback_frames
         graphs = CodecGraphs(self.decoder, max_batch, stream.first_chunk_frames, window)
-        report = graphs.capture()
+        with cudnn_autotuned(self.plan.codec_autotune):
+            report = graphs.capture()
         self.chunks.graphs = graphs
         return report
 

@@ -208,3 +208,22 @@ def test_channels_last_convolution_keeps_groups():
         conv.set_channels_last(True)
         got = conv(x.unsqueeze(2).contiguous(memory_format=torch.channels_last)).squeeze(2)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_cudnn_autotuned_turns_benchmark_mode_on_inside_only():
+    """The plan's codec_autotune: capture runs with cuDNN's benchmark mode on; every other
+    cuDNN setting is kept, and everything is as it was afterwards."""
+    from engine.codec.codec import cudnn_autotuned
+
+    cudnn = torch.backends.cudnn
+    before = (cudnn.benchmark, cudnn.allow_tf32, cudnn.deterministic, cudnn.enabled)
+    cudnn.allow_tf32 = not before[1]  # a non-default setting that must survive
+    try:
+        with cudnn_autotuned(True):
+            assert cudnn.benchmark is True
+            assert cudnn.allow_tf32 is (not before[1]) and cudnn.deterministic is before[2]
+        assert cudnn.benchmark is before[0] and cudnn.allow_tf32 is (not before[1])
+        with cudnn_autotuned(False):
+            assert cudnn.benchmark is before[0]
+    finally:
+        cudnn.allow_tf32 = before[1]

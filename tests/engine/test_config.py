@@ -434,14 +434,14 @@ def test_few_row_gemm_rows_is_validated():
     assert "few_row_gemm_tma" not in _cuda(few_row_gemm_rows=0).plan_overrides
 
 
-def test_codec_lag_steps_is_validated():
-    assert EngineConfig(plan_overrides={"codec_lag_steps": 25}).plan_overrides == {
-        "codec_lag_steps": 25
-    }
-    with pytest.raises(ConfigError, match=r"0\.\.25"):
-        EngineConfig(plan_overrides={"codec_lag_steps": 26})
-    with pytest.raises(ConfigError, match="integer"):
-        EngineConfig(plan_overrides={"codec_lag_steps": 1.5})
+def test_codec_autotune_is_validated():
+    assert _cuda(codec_autotune=True).plan_overrides == {"codec_autotune": True}
+    with pytest.raises(ConfigError, match="codec_autotune needs a CUDA device"):
+        EngineConfig(plan_overrides={"codec_autotune": True})
+    with pytest.raises(ConfigError, match="needs codec graphs"):
+        _cuda(codec_autotune=True, codec_graph_max_batch=0)
+    with pytest.raises(ConfigError, match="must be a bool"):
+        _cuda(codec_autotune=1)
 
 
 def test_kv_cache_dtype_is_validated():

@@ -208,22 +208,6 @@ MUTANTS = (
         "one request's failure ends every stream in its engine step",
     ),
     Mutant(
-        "codec-finished-batch-held",
-        "engine/audio_output.py",
-        " or pending.ready()):",
-        "):",
-        ("tests/engine/test_codec_lag.py",),
-        "with a codec read-back lag, every chunk is held back that many steps, finished or not",
-    ),
-    Mutant(
-        "codec-lag-ignored",
-        "engine/audio_output.py",
-        "self.collects - before > self.lag_steps",
-        "self.collects - before > 0",
-        ("tests/engine/test_codec_lag.py",),
-        "codec_lag_steps does nothing: the engine still waits for every codec batch",
-    ),
-    Mutant(
         "utterance-stays-on-a-dead-engine",
         "service/utterance.py",
         "        if self.pick_engine is None or self.engine.alive or self.active_request_ids():",

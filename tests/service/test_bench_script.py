@@ -109,3 +109,26 @@ def test_the_report_shares_steps_by_graph_bucket_and_judges_validity():
         "ttfa_p95 160.0 <= 150: FAIL",
         "underruns 0.0 <= 0: PASS",
     ]
+
+
+def test_a_load_reports_its_progress_while_it_runs(capsys):
+    """A run cut by its time limit must still say whether requests were finishing (a slow
+    start) or not (a stall): a line every interval with the counts and the last finish."""
+    import asyncio
+    import time
+
+    from benchmarks.serve_bench import Record, _report_progress
+
+    now = time.perf_counter()
+    records = [(i, Record(now, now, now - 2.0, 1.0, 0, 0, "length", [])) for i in range(5)]
+
+    async def run():
+        task = asyncio.create_task(_report_progress(records, 3, 2, every_s=0.05))
+        await asyncio.sleep(0.12)
+        task.cancel()
+
+    asyncio.run(run())
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
+    assert len(lines) == 2
+    assert "3 of 3 warm-up and 2 timed requests done" in lines[0]
+    assert float(lines[-1].rsplit("the last ", 1)[1].split(" s")[0]) >= 2.0
