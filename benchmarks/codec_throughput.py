@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -61,20 +61,8 @@ def in_fresh_thread(fn):
     per-thread cache keyed by shape, dtype and layout but not by the benchmark flag: in one
     thread a tuned variant would reuse the heuristic's pick of the untuned variant before it
     (or the reverse), so each variant is timed in a thread of its own, from an empty cache."""
-    result, error = [], []
-
-    def run():
-        try:
-            result.append(fn())
-        except BaseException as exc:  # re-raised in the caller's thread
-            error.append(exc)
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    thread.join()
-    if error:
-        raise error[0]
-    return result[0]
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(fn).result()
 
 
 def _unfolded(decoder):
@@ -82,19 +70,9 @@ def _unfolded(decoder):
     return decoder
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", default="1x8,1x33,4x33,64x8,64x33")
-    ap.add_argument("--reference", action="store_true", help="also time transformers' decode")
-    ap.add_argument(
-        "--variants", help="comma-separated names to run, '_' for a space (default: all)"
-    )
-    args = ap.parse_args()
-    cuda = torch.device("cuda")
-    with tempfile.TemporaryDirectory() as tmp:
-        cfg, state = load_codec_state(write_codec_dir(Path(tmp), STANDARD_CODEC_CONFIG, 9))
-    # name -> (decoder, TF32 convolutions, cuDNN autotuning)
-    variants = {
+def _variants(cfg, state, cuda) -> dict:
+    """name -> (decoder, TF32 convolutions, cuDNN autotuning)."""
+    return {
         "fp32+tf32": (build_decoder(cfg, state, cuda, torch.float32), True, False),
         "fp32+tf32 snake": (build_decoder(cfg, state, cuda, torch.float32, True), True, False),
         "fp32+tf32 snake tuned": (
@@ -133,6 +111,20 @@ def main() -> None:
             False,
         ),
     }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="1x8,1x33,4x33,64x8,64x33")
+    ap.add_argument("--reference", action="store_true", help="also time transformers' decode")
+    ap.add_argument(
+        "--variants", help="comma-separated names to run, '_' for a space (default: all)"
+    )
+    args = ap.parse_args()
+    cuda = torch.device("cuda")
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg, state = load_codec_state(write_codec_dir(Path(tmp), STANDARD_CODEC_CONFIG, 9))
+    variants = _variants(cfg, state, cuda)
     if args.variants:
         wanted = args.variants.replace("_", " ").split(",")
         variants = {k: v for k, v in variants.items() if k in wanted}

@@ -186,11 +186,11 @@ async def _report_progress(records: list, warmup: int, concurrency: int, every_s
     start = time.perf_counter()
     while True:
         await asyncio.sleep(every_s)
-        done = len(records)
+        warm = sum(i < warmup for i, _ in records)
         last = max((rec.done for _, rec in records), default=start)
         print(
             f"  C={concurrency}: {time.perf_counter() - start:.0f} s into the load, "
-            f"{min(done, warmup)} of {warmup} warm-up and {max(0, done - warmup)} timed "
+            f"{warm} of {warmup} warm-up and {len(records) - warm} timed "
             f"requests done, the last {time.perf_counter() - last:.1f} s ago",
             flush=True,
         )

@@ -60,7 +60,7 @@ class ExecutionPlan:
     codec_channels_last: bool = False  # codec activations in NHWC memory
     codec_graph_max_batch: int = 0  # codec graphs per batch size up to this; 0: none
     # cuDNN times its convolution algorithms for each codec graph's shape at capture, instead
-    # of taking its heuristic's pick (which in bf16 NHWC is 7-30x slower at some batch sizes)
+    # of taking its heuristic's pick (in bf16 NHWC 6-11x slower than fp32 at some batch sizes)
     codec_autotune: bool = False
 
     def describe(self) -> dict:

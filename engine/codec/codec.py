@@ -21,19 +21,20 @@ from engine.cuda_graphs import CaptureReport
 from engine.plan import ExecutionPlan
 
 
+@contextlib.contextmanager
 def cudnn_autotuned(on: bool):
-    """cuDNN's benchmark mode for the calls inside (the warm-up calls before each capture
-    time every algorithm for their shape; the capture and later replays keep the winner),
-    every other cuDNN setting as it is."""
-    if not on:
-        return contextlib.nullcontext()
+    """cuDNN's benchmark mode for the calls inside: the warm-up calls before each capture
+    time the heuristic's leading candidates (`cudnn.benchmark_limit` of them) for their
+    shape, and the capture keeps the fastest. Only the benchmark flag changes (cuDNN's own
+    `flags()` would also reset the limit and the fp32 precision); it is process-wide, so two
+    engines of one process capturing at once could see each other's setting."""
     cudnn = torch.backends.cudnn
-    return cudnn.flags(
-        enabled=cudnn.enabled,
-        benchmark=True,
-        deterministic=cudnn.deterministic,
-        allow_tf32=cudnn.allow_tf32,
-    )
+    before = cudnn.benchmark
+    cudnn.benchmark = before or on
+    try:
+        yield
+    finally:
+        cudnn.benchmark = before
 
 
 class Codec:

@@ -212,18 +212,22 @@ def test_channels_last_convolution_keeps_groups():
 
 def test_cudnn_autotuned_turns_benchmark_mode_on_inside_only():
     """The plan's codec_autotune: capture runs with cuDNN's benchmark mode on; every other
-    cuDNN setting is kept, and everything is as it was afterwards."""
+    cuDNN setting is kept (cuDNN's own flags() would reset the algorithm limit), and the
+    mode is as it was afterwards, also after an error."""
     from engine.codec.codec import cudnn_autotuned
 
     cudnn = torch.backends.cudnn
-    before = (cudnn.benchmark, cudnn.allow_tf32, cudnn.deterministic, cudnn.enabled)
-    cudnn.allow_tf32 = not before[1]  # a non-default setting that must survive
+    before = (cudnn.benchmark, cudnn.benchmark_limit, cudnn.allow_tf32, cudnn.deterministic)
+    cudnn.benchmark_limit = 0  # a non-default setting that must survive
     try:
         with cudnn_autotuned(True):
-            assert cudnn.benchmark is True
-            assert cudnn.allow_tf32 is (not before[1]) and cudnn.deterministic is before[2]
-        assert cudnn.benchmark is before[0] and cudnn.allow_tf32 is (not before[1])
+            assert cudnn.benchmark is True and cudnn.benchmark_limit == 0
+            assert (cudnn.allow_tf32, cudnn.deterministic) == before[2:]
+        assert cudnn.benchmark is before[0]
+        with pytest.raises(RuntimeError), cudnn_autotuned(True):
+            raise RuntimeError("a capture failed")
+        assert cudnn.benchmark is before[0]
         with cudnn_autotuned(False):
             assert cudnn.benchmark is before[0]
     finally:
-        cudnn.allow_tf32 = before[1]
+        cudnn.benchmark_limit = before[1]

@@ -100,26 +100,38 @@ def test_codec_graph_replay_equals_eager(full_codec, fused, nhwc):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_autotuned_codec_graphs_replay_their_eager_twin(full_codec, dtype):
     """The plan's codec_autotune: cuDNN times its algorithms while the graphs are captured.
-    cuDNN keeps each pick per thread, so a later eager call of this thread runs the same
-    kernels: the replay equals it bit for bit, and stays as close to the reference as the
-    decoder's own precision allows (fp32 here with TF32 convolutions, as served)."""
+    cuDNN keeps each pick in a per-thread cache that ignores the benchmark flag, so the body
+    runs in a thread of its own (in this one, earlier tests' heuristic picks of the same
+    shapes would be reused untimed). A later eager call of that thread runs the same
+    kernels: the replay equals it bit for bit, and stays as close to the fp32 reference as
+    the decoder's precision allows (fp32 here with TF32 convolutions, as served)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from engine.codec.codec import cudnn_autotuned
     from engine.codec.codec_graphs import CodecGraphs
 
     cfg, state, ref = full_codec
-    decoder = build_decoder(cfg, state, CUDA, dtype, True, True)
-    graphs = CodecGraphs(decoder, max_batch=4)
-    with cudnn_autotuned(True):
-        graphs.capture()
     bound = 5e-2 if dtype == torch.bfloat16 else 1e-2
-    with torch.inference_mode():
-        for b, t in [(4, 33), (3, 8), (1, 17)]:
-            codes = torch.randint(0, 1024, (b, 8, t), device=CUDA)
-            replayed = graphs.run(codes).clone()
-            assert torch.equal(replayed, decoder(codes))
-            err = _rel(replayed, ref.decode(codes, return_dict=False))
-            print(f"codec autotuned {dtype} {(b, t)}: rel err vs fp32 reference {err:.2e}")
-            assert err <= bound
+
+    def body():
+        decoder = build_decoder(cfg, state, CUDA, dtype, True, True)
+        graphs = CodecGraphs(decoder, max_batch=4)
+        with cudnn_autotuned(True):
+            graphs.capture()
+        errors = []
+        with torch.inference_mode():
+            for b, t in [(4, 33), (3, 8), (1, 17)]:
+                codes = torch.randint(0, 1024, (b, 8, t), device=CUDA)
+                replayed = graphs.run(codes).clone()
+                assert torch.equal(replayed, decoder(codes))
+                with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+                    errors.append(_rel(replayed, ref.decode(codes, return_dict=False)))
+        return errors
+
+    with ThreadPoolExecutor(1) as pool:
+        errors = pool.submit(body).result()
+    print(f"codec autotuned {dtype}: rel err vs fp32 reference {max(errors):.2e}")
+    assert max(errors) <= bound
 
 
 def test_codec_autotune_needs_graphs_on_the_gpu(tmp_path):
