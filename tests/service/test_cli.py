@@ -157,3 +157,25 @@ def test_a_port_in_use_and_a_failed_load_are_one_line(tmp_path):
     assert r.returncode == 1, r.stderr
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("error: ") and "broken-model" in last
+
+
+def test_hugging_faces_kernels_beside_ours_is_one_clear_line(monkeypatch, capsys):
+    """Hugging Face's `kernels` distribution shares our kernels package's import name: the
+    commands that load the engine refuse to start beside it, naming the way out, instead of
+    failing inside transformers; the key and client commands are unaffected."""
+    import importlib.metadata
+
+    from service import cli
+
+    real = importlib.metadata.version
+
+    def version(name):
+        return "0.19.1" if name == "kernels" else real(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    for command in (["serve"], ["generate", "--text", "Hi."], ["synthesize", "--text", "Hi."]):
+        assert cli.main(command) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: Hugging Face's `kernels` package (0.19.1)")
+        assert "virtual environment of its own" in err and err.count("\n") == 1
+    assert cli.main(["key", "new", "ci-key"]) == 0  # no engine: no check
