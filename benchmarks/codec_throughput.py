@@ -103,6 +103,12 @@ def _variants(cfg, state, cuda) -> dict:
             False,
             True,
         ),
+        # fp16: the tensor cores' rate with three more mantissa bits than bf16
+        "fp16 snake nhwc tuned": (
+            build_decoder(cfg, state, cuda, torch.float16, True, True),
+            False,
+            True,
+        ),
         # as before the folding: cuDNN adds each bias, torch the residuals (the default folds
         # them into the Snake passes)
         "fp32+tf32 snake nhwc unfolded": (

@@ -1,5 +1,5 @@
 """The fused Snake kernel against its torch reference: small shapes on the CPU (Triton
-interpreter), the codec's shapes on a GPU in fp32 and bf16."""
+interpreter), the codec's shapes on a GPU in fp32, bf16 and fp16."""
 
 from __future__ import annotations
 
@@ -26,6 +26,18 @@ def test_snake_matches_reference_fp32(b, c, t, block):
     ref = snake_reference(x, alpha)
     assert out.shape == x.shape and out.dtype == x.dtype
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_snake_half_precision_computes_in_fp32_and_stores_its_dtype(dtype):
+    """The codec in bf16 or fp16 (the plan's codec_dtype): fp32 arithmetic, one rounding
+    at the store, so the result is the fp32 reference's rounded to the storage dtype."""
+    x, alpha = _case(2, 3, 257, dtype, seed=5)
+    out = snake(x, alpha, block=64)
+    assert out.dtype == dtype
+    expect = snake_reference(x.float(), alpha.float()).to(dtype)
+    two_ulps = 2 * torch.finfo(dtype).eps  # a sine's last bit may round the other way
+    torch.testing.assert_close(out.float(), expect.float(), rtol=two_ulps, atol=1e-3)
 
 
 @pytest.mark.parametrize("b, c, t", [(1, 1, 1), (2, 3, 5), (3, 4, 257), (1, 1, 9), (2, 5, 1)])
@@ -97,7 +109,7 @@ def test_snake_rejects_what_it_cannot_index():
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("c, t", [(1024, 33), (512, 264), (32, 31680)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("nhwc", [False, True], ids=["nct", "nhwc"])
 def test_snake_codec_shapes_gpu(c, t, dtype, nhwc):
     x, alpha = _case(4, c, t, dtype, seed=c)
@@ -105,5 +117,5 @@ def test_snake_codec_shapes_gpu(c, t, dtype, nhwc):
         x = x.unsqueeze(2).contiguous(memory_format=torch.channels_last)
     out = snake(x, alpha).float()
     ref = snake_reference(x.float(), alpha.float())  # fp32 math, as the kernel does
-    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
     torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
