@@ -6,7 +6,9 @@ back `--step-ms A+B*rows` after the previous step finished (random codes, no EOS
 at their length cap, as with random weights), and each codec batch takes `--codec-ms` on its
 own simulated stream and returns silence of the right length. Waits release the interpreter
 lock, as CUDA waits do. It shows, on a machine without a GPU, whether the service keeps C
-streams running.
+streams running. Its codec costs time but never slows the backbone, which the H200 is not
+like under load (there the codec shares the SMs: hiding its latency gained nothing on the
+GPU, +22-30% here), so it cannot predict codec levers.
 
     python benchmarks/sim_server.py --port 8790 --max-num-seqs 256 [--step-ms 3.7+0.029]
     python benchmarks/serve_bench.py --server sim ...   (starts it for you)
