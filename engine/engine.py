@@ -24,7 +24,7 @@ from engine.checkpoint_writer import UNTRAINED_NOTICE, default_model_dir
 from engine.codec.audio_io import AudioLimits
 from engine.codec.codec import Codec
 from engine.config import ConfigError, EngineConfig, SamplingParams, VoiceReference
-from engine.loader import load_model, read_config, resolve_checkpoint
+from engine.loader import load_model, read_config, refuse_hugging_faces_kernels, resolve_checkpoint
 from engine.plan import ExecutionPlan, resolve_dtype
 from engine.plan import resolve as resolve_plan
 from engine.prompt import AudioRow, TextChecker, build_prompt
@@ -111,6 +111,7 @@ class Engine:
     ) -> Engine:
         """From a checkpoint directory or hub id; None means the embedded default model.
         `codec`: a standalone Higgs audio tokenizer (default: the checkpoint's bundled codec)."""
+        refuse_hugging_faces_kernels()
         config = config or EngineConfig()
         codec_path = resolve_checkpoint(codec) if codec is not None else None
         if model is None:

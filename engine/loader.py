@@ -8,6 +8,7 @@ left for the codec loader. A hub id is resolved with huggingface_hub when a netw
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -41,6 +42,21 @@ LAYER_KEYS: dict[str, tuple[str, int | None]] = {
     "input_layernorm.weight": ("input_layernorm.weight", None),
     "post_attention_layernorm.weight": ("post_attention_layernorm.weight", None),
 }
+
+
+def refuse_hugging_faces_kernels() -> None:
+    """Hugging Face's `kernels` distribution has our `kernels` package's import name: beside
+    it, transformers imports ours as its own and fails deep inside model loading (the
+    embedded model is written through transformers' codec). Say so before anything loads."""
+    try:
+        found = importlib.metadata.version("kernels")
+    except importlib.metadata.PackageNotFoundError:
+        return
+    raise ConfigError(
+        f"Hugging Face's `kernels` package ({found}) is installed in this Python environment; "
+        "its import name is clonecast's own `kernels`, so the two cannot share an environment: "
+        "install clonecast in a virtual environment of its own (docs/deploy.md)"
+    )
 
 
 def resolve_checkpoint(model: str | Path) -> Path:

@@ -185,6 +185,9 @@ def resolve(config, model_config, device) -> ExecutionPlan:
         if "codec_graph_max_batch" in o:
             raise ConfigError("codec_graph_max_batch needs CUDA graphs (not enforce_eager)")
         codec_batch = 0
+    # autotuning happens while the codec graphs are captured: without them it cannot
+    if o.get("codec_autotune") and not codec_batch:
+        raise ConfigError("codec_autotune needs codec graphs (not enforce_eager)")
     return ExecutionPlan(
         attention_backend=backend,
         fused_ops=fused,
@@ -207,15 +210,8 @@ def resolve(config, model_config, device) -> ExecutionPlan:
         codec_dtype=o.get("codec_dtype", "float32"),
         codec_channels_last=o.get("codec_channels_last", cuda),
         codec_graph_max_batch=codec_batch,
-        codec_autotune=_codec_autotune(o.get("codec_autotune", False), codec_batch),
+        codec_autotune=o.get("codec_autotune", False),
     )
-
-
-def _codec_autotune(setting: bool, codec_batch: int) -> bool:
-    """Autotuning happens while the codec graphs are captured: without them it cannot."""
-    if setting and not codec_batch:
-        raise ConfigError("codec_autotune needs codec graphs (not enforce_eager)")
-    return setting
 
 
 def resolve_dtype(name: str, device):

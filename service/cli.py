@@ -8,7 +8,6 @@ WAV file, written chunk by chunk as the audio streams out of the engine.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import os
 import socket
@@ -266,20 +265,6 @@ def _check_port(host: str, port: int) -> None:
             ) from exc
 
 
-def _check_no_kernels_distribution() -> None:
-    """Hugging Face's `kernels` distribution has our `kernels` package's import name: beside
-    it, transformers imports ours as its own and fails deep in model loading. Say so first."""
-    try:
-        found = importlib.metadata.version("kernels")
-    except importlib.metadata.PackageNotFoundError:
-        return
-    raise ConfigError(
-        f"Hugging Face's `kernels` package ({found}) is installed in this Python environment; "
-        "its import name is clonecast's own `kernels`, so the two cannot share an environment: "
-        "install clonecast in a virtual environment of its own (docs/deploy.md)"
-    )
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="clonecast", description=__doc__)
     parser.add_argument("--version", action="version", version=f"clonecast {VERSION}")
@@ -376,8 +361,6 @@ def main(argv: list[str] | None = None) -> int:
     g.set_defaults(func=generate)
     args = parser.parse_args(argv)
     try:
-        if args.command in ("serve", "synthesize", "generate"):  # the ones that load the engine
-            _check_no_kernels_distribution()
         return args.func(args)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)

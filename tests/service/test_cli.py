@@ -12,8 +12,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _run(args, tmp_path):
+def _run(args, tmp_path, env_extra: dict | None = None):
     env = {**os.environ, "CLONECAST_CACHE_DIR": str(tmp_path / "cache"), "CLONECAST_DEVICE": "cpu"}
+    env.update(env_extra or {})
     return subprocess.run(
         [sys.executable, "-m", "service.cli", *args],
         cwd=ROOT,
@@ -159,23 +160,25 @@ def test_a_port_in_use_and_a_failed_load_are_one_line(tmp_path):
     assert last.startswith("error: ") and "broken-model" in last
 
 
-def test_hugging_faces_kernels_beside_ours_is_one_clear_line(monkeypatch, capsys):
-    """Hugging Face's `kernels` distribution shares our kernels package's import name: the
-    commands that load the engine refuse to start beside it, naming the way out, instead of
-    failing inside transformers; the key and client commands are unaffected."""
-    import importlib.metadata
-
-    from service import cli
-
-    real = importlib.metadata.version
-
-    def version(name):
-        return "0.19.1" if name == "kernels" else real(name)
-
-    monkeypatch.setattr(importlib.metadata, "version", version)
-    for command in (["serve"], ["generate", "--text", "Hi."], ["synthesize", "--text", "Hi."]):
-        assert cli.main(command) == 2
-        err = capsys.readouterr().err
-        assert err.startswith("error: Hugging Face's `kernels` package (0.19.1)")
-        assert "virtual environment of its own" in err and err.count("\n") == 1
-    assert cli.main(["key", "new", "ci-key"]) == 0  # no engine: no check
+def test_hugging_faces_kernels_beside_ours_is_one_clear_line(tmp_path):
+    """Hugging Face's `kernels` distribution shares our kernels package's import name: an
+    engine refuses to load beside it, naming the way out, instead of failing inside
+    transformers (here its metadata alone, on the path of the process). Before binding,
+    `generate` ends with that line (exit 2); `serve` binds, fails its load with it (exit 1);
+    commands without an engine are unaffected."""
+    dist = tmp_path / "site" / "kernels-0.19.1.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: kernels\nVersion: 0.19.1\n")
+    site = str(tmp_path / "site")
+    path = os.pathsep.join(p for p in (site, os.environ.get("PYTHONPATH", "")) if p)
+    env = {"PYTHONPATH": path}
+    r = _run(["generate", "--text", "Hi.", "--out", str(tmp_path / "c.json")], tmp_path, env)
+    assert r.returncode == 2, r.stderr
+    [line] = r.stderr.strip().splitlines()
+    assert line.startswith("error: Hugging Face's `kernels` package (0.19.1)")
+    assert "virtual environment of its own" in line
+    r = _run(["serve", "--port", "0"], tmp_path, env)
+    assert r.returncode == 1, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and "Hugging Face's `kernels` package (0.19.1)" in last
+    assert _run(["key", "new", "ci-key"], tmp_path, env).returncode == 0  # no engine: no check
