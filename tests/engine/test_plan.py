@@ -4,9 +4,10 @@ that run it."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from engine import Engine, EngineConfig, ExecutionPlan
+from engine import ConfigError, Engine, EngineConfig, ExecutionPlan
 from engine.attention import TorchAttention, TritonAttention
 from engine.loader import read_config
 from engine.plan import DEFAULT_BUCKETS, resolve
@@ -61,3 +62,12 @@ def test_a_triton_setting_without_the_triton_backend_is_refused(tiny_ckpt):
     config = EngineConfig(plan_overrides={"page_prefetch": True})  # the CPU's backend: torch
     with pytest.raises(ConfigError, match="Triton attention backend"):
         resolve(config, model_config, CPU)
+
+
+def test_codec_autotune_is_refused_where_no_codec_graphs_are_captured(tiny_ckpt):
+    """It tunes while the codec graphs are captured: without CUDA graphs there is nothing to
+    tune, which resolving the plan for a GPU (no GPU touched before the refusal) says."""
+    _, model_config = read_config(tiny_ckpt)
+    eager = EngineConfig(device="cuda", enforce_eager=True, plan_overrides={"codec_autotune": True})
+    with pytest.raises(ConfigError, match="codec_autotune needs codec graphs"):
+        resolve(eager, model_config, torch.device("cuda"))
