@@ -3,7 +3,6 @@ reference encoder and the voice cache, loaded together from one source."""
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 from pathlib import Path
 
@@ -19,22 +18,6 @@ from engine.codec.voice_cache import Frames, VoiceCache
 from engine.config import StreamConfig
 from engine.cuda_graphs import CaptureReport
 from engine.plan import ExecutionPlan
-
-
-@contextlib.contextmanager
-def cudnn_autotuned(on: bool):
-    """cuDNN's benchmark mode for the calls inside: the warm-up calls before each capture
-    time the heuristic's leading candidates (`cudnn.benchmark_limit` of them) for their
-    shape, and the capture keeps the fastest. Only the benchmark flag changes (cuDNN's own
-    `flags()` would also reset the limit and the fp32 precision); it is process-wide, so two
-    engines of one process capturing at once could see each other's setting."""
-    cudnn = torch.backends.cudnn
-    before = cudnn.benchmark
-    cudnn.benchmark = before or on
-    try:
-        yield
-    finally:
-        cudnn.benchmark = before
 
 
 class Codec:
@@ -77,8 +60,7 @@ class Codec:
             return None
         window = stream.left_context_frames + stream.chunk_frames + stream.holdback_frames
         graphs = CodecGraphs(self.decoder, max_batch, stream.first_chunk_frames, window)
-        with cudnn_autotuned(self.plan.codec_autotune):
-            report = graphs.capture()
+        report = graphs.capture(autotune=self.plan.codec_autotune)
         self.chunks.graphs = graphs
         return report
 

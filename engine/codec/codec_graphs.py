@@ -1,15 +1,48 @@
-"""CUDA graphs of the codec decoder for the exact shapes streaming produces: (b, 8) first
-chunks and (b, 33) steady windows for every batch size up to the maximum (ChunkDecoder
-splits larger batches), and (1, 1..33) tails. Never padded in time (the decoder is not
-causal: padding would change the audio). Captured once at start-up; any other shape runs
-eagerly."""
+"""CUDA graphs of the codec decoder for the shapes streaming produces: (b, 8) first chunks
+and (b, 33) steady windows for a ladder of batch sizes up to the maximum (a batch between
+two rungs replays the larger one, padded with spare rows; ChunkDecoder splits batches above
+the maximum), and (1, 1..33) tails. Never padded in time (the decoder is not causal: padding
+would change the audio); padding in batch is safe, as each window's rows are convolved
+alone. Captured once at start-up; any other shape runs eagerly."""
 
 from __future__ import annotations
+
+import contextlib
+from bisect import bisect_left
 
 import torch
 
 from engine.codec.decoder import CodecDecoder
 from engine.cuda_graphs import CaptureReport, capture_graph, measured_capture
+
+
+def batch_ladder(max_batch: int) -> list[int]:
+    """The batch sizes that get a graph: each one to 8, then every 2nd to 16, every 4th to
+    32, every 8th to 64 (the step doubles with each doubling), and `max_batch`. Why not
+    every size: each graph is a capture and, autotuned, a cuDNN timing of every convolution
+    (minutes for 64 sizes), while a batch costs far less than its size says (1x33 windows
+    0.43 ms, 8x33 1.06 ms on the H200), so a padded rung (at most a quarter larger) costs
+    less than the start-up time and memory of a graph per size."""
+    sizes = [b for b in range(1, max_batch + 1) if b % (1 << max(0, (b - 1).bit_length() - 3)) == 0]
+    if sizes[-1] != max_batch:
+        sizes.append(max_batch)
+    return sizes
+
+
+@contextlib.contextmanager
+def cudnn_autotuned(on: bool):
+    """cuDNN's benchmark mode for the calls inside: the warm-up calls before each capture
+    time the heuristic's leading candidates (`cudnn.benchmark_limit` of them) for their
+    shape, and the capture keeps the fastest. Only the benchmark flag changes (cuDNN's own
+    `flags()` would also reset the limit and the fp32 precision); it is process-wide, so two
+    engines of one process capturing at once could see each other's setting."""
+    cudnn = torch.backends.cudnn
+    before = cudnn.benchmark
+    cudnn.benchmark = before or on
+    try:
+        yield
+    finally:
+        cudnn.benchmark = before
 
 
 class CodecGraphs:
@@ -23,39 +56,58 @@ class CodecGraphs:
     ):
         self.decoder = decoder
         self.max_batch = max_batch  # larger batches are decoded in slices of this size
-        shapes = {(b, t) for b in range(1, max_batch + 1) for t in (first_frames, window_frames)}
-        shapes |= {(1, t) for t in range(1, max_tail + 1)}
-        self.shapes = sorted(shapes, key=lambda s: s[0] * s[1], reverse=True)  # large first
-        self._shape_set = shapes
+        self.ladder = batch_ladder(max_batch)
+        self.batched_frames = {first_frames, window_frames}
+        self.window_shapes = {(b, t) for b in self.ladder for t in self.batched_frames}
+        self.tail_shapes = {(1, t) for t in range(1, max_tail + 1)} - self.window_shapes
         self.graphs: dict[
             tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]
         ] = {}
         self.report: CaptureReport | None = None
 
+    def graph_shape(self, batch: int, frames: int) -> tuple[int, int] | None:
+        """The captured shape that `(batch, frames)` windows replay (its batch may be
+        larger: the spare rows are padding), or None when they run eagerly."""
+        if frames in self.batched_frames and batch <= self.max_batch:
+            return self.ladder[bisect_left(self.ladder, batch)], frames
+        return (batch, frames) if (batch, frames) in self.tail_shapes else None
+
+    def has(self, batch: int, frames: int) -> bool:
+        """Whether `(batch, frames)` windows replay a graph (captured or to be captured)."""
+        return self.graph_shape(batch, frames) is not None
+
     @torch.inference_mode()
-    def capture(self) -> CaptureReport:
+    def capture(self, autotune: bool = False) -> CaptureReport:
+        """Every graph, largest first. `autotune`: cuDNN times its algorithms for the
+        batched shapes (not the tails: rare, small, and 33 more timings at start-up)."""
         device = self.decoder.codebooks.device
         pool = torch.cuda.graph_pool_handle()
+        by_size = lambda shapes: sorted(shapes, key=lambda s: s[0] * s[1], reverse=True)  # noqa: E731
         with measured_capture("codec") as report:
-            for b, t in self.shapes:
-                codes = torch.zeros(b, 8, t, dtype=torch.long, device=device)
-                graph, audio = capture_graph(lambda codes=codes: self.decoder(codes), pool)
-                self.graphs[(b, t)] = (graph, codes, audio)
+            with cudnn_autotuned(autotune):
+                for shape in by_size(self.window_shapes):
+                    self._capture(shape, device, pool)
+            for shape in by_size(self.tail_shapes):
+                self._capture(shape, device, pool)
             report.num_graphs, report.shapes = len(self.graphs), list(self.graphs)
         self.report = report
         return report
 
-    def has(self, batch: int, frames: int) -> bool:
-        """Whether `(batch, frames)` windows replay a graph (captured or to be captured)."""
-        return (batch, frames) in self._shape_set
+    def _capture(self, shape: tuple[int, int], device: torch.device, pool) -> None:
+        b, t = shape
+        codes = torch.zeros(b, 8, t, dtype=torch.long, device=device)
+        graph, audio = capture_graph(lambda: self.decoder(codes), pool)
+        self.graphs[shape] = (graph, codes, audio)
 
     def run(self, codes: torch.Tensor) -> torch.Tensor | None:
-        """Replays the graph of this exact shape (`[B, 8, T]`); None when there is none. The
-        result is the graph's static output: read it before the next replay."""
-        entry = self.graphs.get((codes.shape[0], codes.shape[2]))
+        """Replays the graph for this shape (`[B, 8, T]`); None when there is none. The
+        result is a view of the graph's static output: read it before the next replay.
+        Padding rows keep whatever codes they last held (valid codes, never read back)."""
+        batch = codes.shape[0]
+        entry = self.graphs.get(self.graph_shape(batch, codes.shape[2]))
         if entry is None:
             return None
         graph, inp, out = entry
-        inp.copy_(codes, non_blocking=True)
+        inp[:batch].copy_(codes, non_blocking=True)
         graph.replay()
-        return out
+        return out[:batch]

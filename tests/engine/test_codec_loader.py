@@ -214,7 +214,7 @@ def test_cudnn_autotuned_turns_benchmark_mode_on_inside_only():
     """The plan's codec_autotune: capture runs with cuDNN's benchmark mode on; every other
     cuDNN setting is kept (cuDNN's own flags() would reset the algorithm limit), and the
     mode is as it was afterwards, also after an error."""
-    from engine.codec.codec import cudnn_autotuned
+    from engine.codec.codec_graphs import cudnn_autotuned
 
     cudnn = torch.backends.cudnn
     before = (cudnn.benchmark, cudnn.benchmark_limit, cudnn.allow_tf32, cudnn.deterministic)
@@ -231,3 +231,28 @@ def test_cudnn_autotuned_turns_benchmark_mode_on_inside_only():
             assert cudnn.benchmark is before[0]
     finally:
         cudnn.benchmark_limit = before[1]
+
+
+def test_codec_graph_batch_ladder_pads_to_the_next_rung():
+    """Graphs for a ladder of batch sizes, not each one: every size to 8, then a step that
+    doubles with each doubling, and the maximum. A batch between rungs replays the next
+    larger rung (never more than a quarter larger above 8); tails have only (1, T) graphs;
+    a batch above the maximum, or a batched length that is not a window's, has none."""
+    from engine.codec.codec_graphs import CodecGraphs, batch_ladder
+
+    assert batch_ladder(64) == [*range(1, 9), 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 64]
+    assert batch_ladder(5) == [1, 2, 3, 4, 5]
+    assert batch_ladder(70) == [*batch_ladder(64), 70]
+    for top in (1, 9, 37, 64, 70, 256):
+        ladder = batch_ladder(top)
+        assert ladder[-1] == top and ladder == sorted(set(ladder))
+        rung = {b: min(r for r in ladder if r >= b) for b in range(1, top + 1)}
+        assert all(rung[b] <= max(8, b * 1.25) for b in rung)
+    graphs = CodecGraphs(decoder=None, max_batch=64, first_frames=8, window_frames=33)
+    assert graphs.graph_shape(9, 33) == (10, 33)
+    assert graphs.graph_shape(33, 8) == (40, 8)
+    assert graphs.graph_shape(64, 33) == (64, 33)
+    assert graphs.graph_shape(65, 33) is None  # ChunkDecoder slices such batches
+    assert graphs.graph_shape(1, 17) == (1, 17) and graphs.graph_shape(2, 17) is None
+    assert graphs.graph_shape(3, 34) is None
+    assert len(graphs.window_shapes) + len(graphs.tail_shapes) == 20 * 2 + 33 - 2

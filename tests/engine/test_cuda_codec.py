@@ -79,6 +79,7 @@ def test_codec_graph_replay_equals_eager(full_codec, fused, nhwc):
             codes = torch.randint(0, 1024, (b, 8, t), device=CUDA)
             assert torch.equal(graphs.run(codes).clone(), decoder(codes))
         assert graphs.run(torch.zeros(5, 8, 33, dtype=torch.long, device=CUDA)) is None
+        assert graphs.run(torch.zeros(2, 8, 17, dtype=torch.long, device=CUDA)) is None
     windows = [
         ChunkWindow(
             f"r{i}",
@@ -97,6 +98,30 @@ def test_codec_graph_replay_equals_eager(full_codec, fused, nhwc):
     assert [d.pcm for d in eager.decode(windows)] == [d.pcm for d in graphed.decode(windows)]
 
 
+def test_codec_graph_padded_batch_equals_eager_of_its_rung(full_codec):
+    """A batch between two rungs of the ladder (9 windows; rungs 8 and 10) replays the rung
+    above with a spare row: its rows equal the eager decoder on a batch of that rung bit for
+    bit, whatever the spare row holds (rows are convolved alone), and the unpadded eager
+    batch within TF32's rounding (cuDNN may pick another algorithm for another batch)."""
+    from engine.codec.codec_graphs import CodecGraphs
+
+    cfg, state, ref = full_codec
+    decoder = build_decoder(cfg, state, CUDA, torch.float32, True, True)
+    graphs = CodecGraphs(decoder, max_batch=12)
+    assert graphs.ladder == [*range(1, 9), 10, 12]
+    graphs.capture()
+    with torch.inference_mode():
+        codes = torch.randint(0, 1024, (9, 8, 33), device=CUDA)
+        graphs.run(torch.randint(0, 1024, (10, 8, 33), device=CUDA))  # the spare row's codes
+        replayed = graphs.run(codes).clone()
+        assert replayed.shape[0] == 9
+        spare = torch.randint(0, 1024, (1, 8, 33), device=CUDA)
+        assert torch.equal(replayed, decoder(torch.cat([codes, spare]))[:9])
+        assert _rel(replayed, decoder(codes)) <= 1e-2
+        with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+            assert _rel(replayed, ref.decode(codes, return_dict=False)) <= 1e-2
+
+
 @pytest.mark.parametrize(
     "dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"]
 )
@@ -109,7 +134,6 @@ def test_autotuned_codec_graphs_replay_their_eager_twin(full_codec, dtype):
     the decoder's precision allows (fp32 here with TF32 convolutions, as served)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from engine.codec.codec import cudnn_autotuned
     from engine.codec.codec_graphs import CodecGraphs
 
     cfg, state, ref = full_codec
@@ -118,8 +142,7 @@ def test_autotuned_codec_graphs_replay_their_eager_twin(full_codec, dtype):
     def body():
         decoder = build_decoder(cfg, state, CUDA, dtype, True, True)
         graphs = CodecGraphs(decoder, max_batch=4)
-        with cudnn_autotuned(True):
-            graphs.capture()
+        graphs.capture(autotune=True)
         errors = []
         with torch.inference_mode():
             for b, t in [(4, 33), (3, 8), (1, 17)]:
