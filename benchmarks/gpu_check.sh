@@ -18,7 +18,10 @@
 #                is a call of 300-360 s), PROTOCOL_C, PROTOCOL_S
 #   LEVERS="NAME:VAR=VALUE+VAR=VALUE ..." one served run per lever, its server started with
 #                those environment variables (e.g. budget:CLONECAST_MAX_BATCHED_TOKENS=1024),
-#                LEVER_VOICES the pool (64cold), LEVER_C (128,256), LEVER_STARTS (1), LEVER_ARGS
+#                LEVER_VOICES the pool (64cold), LEVER_C (128,256), LEVER_STARTS (1), LEVER_ARGS;
+#                LEVER_DUMP="60 120": py-spy dumps (native frames) of the server and engine
+#                processes that many s after ready, in $OUT/dump-NAME.txt (needs py-spy's
+#                wheel in .whl)
 #   STEP_AB      the decode step (eager_step.py) per EngineConfig override set, as LOOP_AB
 #   HOST=1       host work per engine step at C = 64 and 128 (benchmarks/host_cost.py)
 #   GIL_MS="a b" one served start at C = 64 and 128 per GIL switch interval (ms) of the server
@@ -111,8 +114,40 @@ fi
 for lever in ${LEVERS:-}; do
   name=${lever%%:*}; assigns=${lever#*:}
   echo "lever $name: ${assigns//+/ }"
+  if [ -n "${LEVER_DUMP:-}" ]; then  # "D1 D2 ...": py-spy dumps of every thread D s after ready
+    ( python3 - "$OUT/dump-$name.txt" $LEVER_DUMP <<'PY'
+import pathlib, subprocess, sys, time, urllib.request
+out, delays = pathlib.Path(sys.argv[1]), [float(d) for d in sys.argv[2:]]
+for _ in range(900):  # the benchmark's fresh server (port 8790) ready
+    try:
+        urllib.request.urlopen("http://127.0.0.1:8790/ready", timeout=2)
+        break
+    except OSError:
+        time.sleep(1)
+ready = time.time()
+for delay in delays:
+    time.sleep(max(0.0, ready + delay - time.time()))
+    procs = {}  # pid -> (parent pid, command line)
+    for p in pathlib.Path("/proc").glob("[0-9]*"):
+        try:  # stat's fields after the command name: state, then the parent pid
+            parent = (p / "stat").read_text().rpartition(")")[2].split()[1]
+            procs[p.name] = (parent, (p / "cmdline").read_bytes())
+        except OSError:  # gone meanwhile
+            pass
+    servers = [pid for pid, (_, cmd) in procs.items() if b"service.cli" in cmd]
+    pids = servers + [pid for pid, (parent, _) in procs.items() if parent in servers]
+    with out.open("a") as f:
+        for pid in pids:  # the servers and their children (engine processes)
+            f.write(f"=== {delay:.0f} s after ready, pid {pid}\n")
+            f.flush()
+            subprocess.run(["/tmp/site/bin/py-spy", "dump", "--native", "--pid", pid],
+                           stdout=f, stderr=subprocess.STDOUT, timeout=60)
+PY
+    ) &
+  fi
   env ${assigns//+/ } timeout ${LEVER_LIMIT:-200} python3 benchmarks/serve_bench.py --model $CKPT --concurrency ${LEVER_C:-128,256} --voices ${LEVER_VOICES:-64cold} --timed-s ${PROTOCOL_S:-10} --warmup 64 --starts ${LEVER_STARTS:-1} --fresh-server --max-num-seqs 256 ${LEVER_ARGS:-} --out "$OUT/lever-$name" > "$OUT/lever-$name.log" 2>&1
   grep -v "^[0-9]* voices C=" "$OUT/lever-$name.log" | tail -14
+  wait  # the dumps, if any
 done
 for g in ${GIL_MS:-}; do
   CLONECAST_GIL_SWITCH_MS=$g timeout 150 python3 benchmarks/serve_bench.py --model $CKPT --concurrency 64,128 --requests 256 --warmup 64 --starts 1 --max-num-seqs 256 --out "$OUT/gil_$g" 2>&1 | grep "^default.* 1 " | sed "s/^/gil $g ms: /"

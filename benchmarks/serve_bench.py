@@ -32,6 +32,7 @@ import statistics
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -171,7 +172,8 @@ async def run_load(
                 rec.client = c
                 records.append((i, rec))
 
-    reporter = asyncio.create_task(_report_progress(records, warmup, concurrency))
+    port = urllib.parse.urlsplit(url).port if url.startswith("ws://127.0.0.1") else None
+    reporter = asyncio.create_task(_report_progress(records, warmup, concurrency, port))
     try:
         await asyncio.gather(*(client(c) for c in range(concurrency)))
     finally:
@@ -180,20 +182,41 @@ async def run_load(
     return [r for i, r in ordered if i >= warmup], [r for _, r in ordered], min(first_idle)
 
 
-async def _report_progress(records: list, warmup: int, concurrency: int, every_s: float = 15.0):
+async def _report_progress(
+    records: list, warmup: int, concurrency: int, port: int | None, every_s: float = 15.0
+):
     """A line every `every_s` while a load runs, so that a run cut short by its time limit
-    still tells a slow start (requests finishing) from a stall (none for a while)."""
+    still tells a slow start (requests finishing) from a stall (none for a while), and,
+    from the server's /metrics, a stall inside one engine step (no step ended since the
+    last line: a hang or a kernel compiling) from steps that run but finish nothing (slow
+    steps, or preemptions for want of KV blocks)."""
     start = time.perf_counter()
+    before = None
     while True:
         await asyncio.sleep(every_s)
         warm = sum(i < warmup for i, _ in records)
         last = max((rec.done for _, rec in records), default=start)
-        print(
+        line = (
             f"  C={concurrency}: {time.perf_counter() - start:.0f} s into the load, "
             f"{warm} of {warmup} warm-up and {len(records) - warm} timed "
-            f"requests done, the last {time.perf_counter() - last:.1f} s ago",
-            flush=True,
+            f"requests done, the last {time.perf_counter() - last:.1f} s ago"
         )
+        if port is not None:
+            try:
+                now = await asyncio.to_thread(server_counters, port)
+            except OSError as exc:
+                line += f"; server metrics unreadable ({exc})"
+            else:
+                if before is not None:
+                    steps = now["steps"] - before["steps"]
+                    mean = (now["step_s"] - before["step_s"]) / steps * 1e3 if steps else 0.0
+                    line += (
+                        f"; server: {steps:.0f} steps ended since the last line "
+                        f"({mean:.1f} ms mean), {now['preempted'] - before['preempted']:.0f} "
+                        "preemptions"
+                    )
+                before = now
+        print(line, flush=True)
 
 
 def saturated(timed: list[Record], every: list[Record], end: float) -> tuple[float, float, int]:
@@ -318,6 +341,7 @@ COUNTERS = {
     "step_s": "clonecast_engine_step_seconds_sum",
     "steps": "clonecast_engine_step_seconds_count",
     "rows": "clonecast_engine_rows_total",
+    "preempted": "clonecast_preemptions_total",
     "prefill": "clonecast_prefill_tokens_total",
     "prefix_hits": "clonecast_prefix_cache_hit_tokens_total",
     "queued": "clonecast_queue_time_seconds_count",

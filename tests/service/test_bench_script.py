@@ -125,7 +125,7 @@ def test_a_load_reports_its_progress_while_it_runs(capsys):
     printed = []
 
     async def run():
-        task = asyncio.create_task(_report_progress(records, 3, 2, every_s=0.05))
+        task = asyncio.create_task(_report_progress(records, 3, 2, None, every_s=0.05))
         deadline = time.perf_counter() + 10
         while len(printed) < 2 and time.perf_counter() < deadline:
             await asyncio.sleep(0.01)
@@ -136,3 +136,60 @@ def test_a_load_reports_its_progress_while_it_runs(capsys):
     assert len(printed) >= 2
     assert "2 of 3 warm-up and 2 timed requests done" in printed[0]
     assert float(printed[-1].rsplit("the last ", 1)[1].split(" s")[0]) >= 2.0
+
+
+def test_progress_lines_say_whether_the_servers_steps_end(capsys):
+    """With the server's /metrics (a loopback stand-in whose step count grows by 3 between
+    reads, at 10 ms a step, with one preemption), each line after the first says how many
+    engine steps ended since the last line, their mean length and the preemptions; a
+    metrics endpoint that fails is named, not fatal."""
+    import asyncio
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from benchmarks.serve_bench import _report_progress
+
+    reads = []
+
+    class Metrics(BaseHTTPRequestHandler):
+        def do_GET(self):
+            n = len(reads)
+            reads.append(n)
+            if n == 3:
+                self.send_error(500)
+                return
+            body = (
+                "# HELP clonecast_engine_step_seconds x\n"
+                f'clonecast_engine_step_seconds_count{{engine="0"}} {3 * n}\n'
+                f'clonecast_engine_step_seconds_sum{{engine="0"}} {0.03 * n}\n'
+                f"clonecast_preemptions_total {n}\n"
+            ).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    printed = []
+
+    async def run():
+        task = asyncio.create_task(_report_progress([], 1, 2, server.server_port, every_s=0.05))
+        deadline = time.perf_counter() + 10
+        while len(printed) < 4 and time.perf_counter() < deadline:
+            await asyncio.sleep(0.01)
+            printed.extend(capsys.readouterr().out.splitlines())
+        task.cancel()
+
+    try:
+        asyncio.run(run())
+    finally:
+        server.shutdown()
+    assert len(printed) >= 4
+    assert "server:" not in printed[0]  # nothing to compare the first read with
+    assert "server: 3 steps ended since the last line (10.0 ms mean), 1 preemptions" in printed[1]
+    assert "server metrics unreadable" in printed[3]
