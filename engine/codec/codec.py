@@ -10,7 +10,7 @@ import torch
 
 from engine.codec.audio_io import AudioLimits, decode_audio, prepare_waveform
 from engine.codec.chunk_decoder import ChunkDecoder
-from engine.codec.codec_graphs import CodecGraphs
+from engine.codec.codec_graphs import CodecGraphs, batch_ladder
 from engine.codec.config import CodecConfig
 from engine.codec.loader import build_decoder, load_codec_state
 from engine.codec.reference_encoder import ReferenceEncoder
@@ -59,8 +59,12 @@ class Codec:
         if not max_batch:
             return None
         window = stream.left_context_frames + stream.chunk_frames + stream.holdback_frames
-        graphs = CodecGraphs(self.decoder, max_batch, stream.first_chunk_frames, window)
-        report = graphs.capture(autotune=self.plan.codec_autotune)
+        autotune = self.plan.codec_autotune
+        ladder = batch_ladder(max_batch) if autotune else None  # see batch_ladder
+        graphs = CodecGraphs(
+            self.decoder, max_batch, stream.first_chunk_frames, window, ladder=ladder
+        )
+        report = graphs.capture(autotune=autotune)
         self.chunks.graphs = graphs
         return report
 

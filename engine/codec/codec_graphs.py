@@ -1,9 +1,10 @@
 """CUDA graphs of the codec decoder for the shapes streaming produces: (b, 8) first chunks
-and (b, 33) steady windows for a ladder of batch sizes up to the maximum (a batch between
-two rungs replays the larger one, padded with spare rows; ChunkDecoder splits batches above
-the maximum), and (1, 1..33) tails. Never padded in time (the decoder is not causal: padding
-would change the audio); padding in batch is safe, as each window's rows are convolved
-alone. Captured once at start-up; any other shape runs eagerly."""
+and (b, 33) steady windows for a ladder of batch sizes up to the maximum (every size, or
+with autotuning a coarser one: a batch between two rungs replays the larger one, padded
+with spare rows; ChunkDecoder splits batches above the maximum), and (1, 1..33) tails.
+Never padded in time (the decoder is not causal: padding would change the audio); padding
+in batch is safe, as each window's rows are convolved alone. Captured once at start-up;
+any other shape runs eagerly."""
 
 from __future__ import annotations
 
@@ -17,12 +18,12 @@ from engine.cuda_graphs import CaptureReport, capture_graph, measured_capture
 
 
 def batch_ladder(max_batch: int) -> list[int]:
-    """The batch sizes that get a graph: each one to 8, then every 2nd to 16, every 4th to
-    32, every 8th to 64 (the step doubles with each doubling), and `max_batch`. Why not
-    every size: each graph is a capture and, autotuned, a cuDNN timing of every convolution
-    (minutes for 64 sizes), while a batch costs far less than its size says (1x33 windows
-    0.43 ms, 8x33 1.06 ms on the H200), so a padded rung (at most a quarter larger) costs
-    less than the start-up time and memory of a graph per size."""
+    """The coarse ladder of batch sizes, for autotuned graphs: each one to 8, then every
+    2nd to 16, every 4th to 32, every 8th to 64 (the step doubles with each doubling), and
+    `max_batch`. An autotuned graph costs start-up time (a cuDNN timing of every convolution:
+    64 sizes took over 150 s on the H200, these 20 about 64 s); a padded rung is at most a
+    quarter larger and costs a step about 1.5% with the fp32 codec (served, C = 128-256),
+    so without autotuning every size gets its graph."""
     sizes = [b for b in range(1, max_batch + 1) if b % (1 << max(0, (b - 1).bit_length() - 3)) == 0]
     if sizes[-1] != max_batch:
         sizes.append(max_batch)
@@ -53,10 +54,14 @@ class CodecGraphs:
         first_frames: int = 8,
         window_frames: int = 33,
         max_tail: int = 33,
+        ladder: list[int] | None = None,
     ):
+        """`ladder`: the batch sizes captured (ascending, ending at `max_batch`); every size
+        by default."""
         self.decoder = decoder
         self.max_batch = max_batch  # larger batches are decoded in slices of this size
-        self.ladder = batch_ladder(max_batch)
+        self.ladder = ladder or list(range(1, max_batch + 1))
+        assert self.ladder[-1] == max_batch and self.ladder == sorted(set(self.ladder))
         self.batched_frames = {first_frames, window_frames}
         self.window_shapes = {(b, t) for b in self.ladder for t in self.batched_frames}
         self.tail_shapes = {(1, t) for t in range(1, max_tail + 1)} - self.window_shapes

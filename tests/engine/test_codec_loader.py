@@ -234,10 +234,11 @@ def test_cudnn_autotuned_turns_benchmark_mode_on_inside_only():
 
 
 def test_codec_graph_batch_ladder_pads_to_the_next_rung():
-    """Graphs for a ladder of batch sizes, not each one: every size to 8, then a step that
-    doubles with each doubling, and the maximum. A batch between rungs replays the next
-    larger rung (never more than a quarter larger above 8); tails have only (1, T) graphs;
-    a batch above the maximum, or a batched length that is not a window's, has none."""
+    """Autotuned graphs come for a ladder of batch sizes, not each one: every size to 8,
+    then a step that doubles with each doubling, and the maximum. A batch between rungs
+    replays the next larger rung (never more than a quarter larger above 8); tails have
+    only (1, T) graphs; a batch above the maximum, or a batched length that is not a
+    window's, has none."""
     from engine.codec.codec_graphs import CodecGraphs, batch_ladder
 
     assert batch_ladder(64) == [*range(1, 9), 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 64]
@@ -248,7 +249,9 @@ def test_codec_graph_batch_ladder_pads_to_the_next_rung():
         assert ladder[-1] == top and ladder == sorted(set(ladder))
         rung = {b: min(r for r in ladder if r >= b) for b in range(1, top + 1)}
         assert all(rung[b] <= max(8, b * 1.25) for b in rung)
-    graphs = CodecGraphs(decoder=None, max_batch=64, first_frames=8, window_frames=33)
+    every = CodecGraphs(decoder=None, max_batch=64)  # without autotuning: every size
+    assert every.ladder == list(range(1, 65)) and every.graph_shape(9, 33) == (9, 33)
+    graphs = CodecGraphs(None, 64, first_frames=8, window_frames=33, ladder=batch_ladder(64))
     assert graphs.graph_shape(9, 33) == (10, 33)
     assert graphs.graph_shape(33, 8) == (40, 8)
     assert graphs.graph_shape(64, 33) == (64, 33)

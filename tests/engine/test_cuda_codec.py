@@ -103,11 +103,11 @@ def test_codec_graph_padded_batch_equals_eager_of_its_rung(full_codec):
     above with a spare row: its rows equal the eager decoder on a batch of that rung bit for
     bit, whatever the spare row holds (rows are convolved alone), and the unpadded eager
     batch within TF32's rounding (cuDNN may pick another algorithm for another batch)."""
-    from engine.codec.codec_graphs import CodecGraphs
+    from engine.codec.codec_graphs import CodecGraphs, batch_ladder
 
     cfg, state, ref = full_codec
     decoder = build_decoder(cfg, state, CUDA, torch.float32, True, True)
-    graphs = CodecGraphs(decoder, max_batch=12)
+    graphs = CodecGraphs(decoder, max_batch=12, ladder=batch_ladder(12))
     assert graphs.ladder == [*range(1, 9), 10, 12]
     graphs.capture()
     with torch.inference_mode():
