@@ -28,11 +28,26 @@ TARGETS = {
 MIN_STARTS, MAX_SPREAD, MIN_WINDOW_S = 3, 0.05, 10.0
 
 
-def _run(cmd: list[str]) -> str:
+def _run(cmd: list[str], env: dict | None = None) -> str:
     try:
-        return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=30).stdout
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
     except (OSError, subprocess.SubprocessError):
         return ""
+    return done.stdout if done.returncode == 0 else ""
+
+
+def tree_id() -> str:
+    """The git tree id of the files here (tracked and untracked, ignore rules applied; the
+    GPU machine's wheels in .whl left out), through a throwaway index: it names the code
+    that ran even where the copied .git is stale, and equals `git rev-parse COMMIT^{tree}`
+    of the commit whose files these are. "?" without git."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        env = dict(os.environ, GIT_INDEX_FILE=str(Path(tmp) / "index"))
+        _run(["git", "add", "-A", "--", ".", ":(exclude).whl"], env)
+        # write-tree fails (no output) where the add did not make the index
+        return _run(["git", "write-tree"], env).strip()[:12] or "?"
 
 
 def identity(args, parser) -> dict:
@@ -52,13 +67,14 @@ def identity(args, parser) -> dict:
     ).strip()
     settings = {k: v for k, v in vars(args).items() if k != "out" and parser.get_default(k) != v}
     # A copied tree (the GPU machine's) may carry a stale .git: the caller then names the
-    # commit it copied, clean, in BENCH_COMMIT.
+    # commit it copied, clean, in BENCH_COMMIT; the tree id names the files either way.
     given = os.environ.get("BENCH_COMMIT")
     return {
         "commit": given or _run(["git", "rev-parse", "--short", "HEAD"]).strip() or "?",
         "dirty": False
         if given
         else bool(_run(["git", "status", "--porcelain", "--untracked-files=no"]).strip()),
+        "tree": tree_id(),
         "gpu": gpu or "none (nvidia-smi absent)",
         "versions": versions,
         "settings": settings,
@@ -69,7 +85,11 @@ def describe_identity(ident: dict) -> str:
     versions = ", ".join(f"{k} {v}" for k, v in ident["versions"].items())
     settings = ", ".join(f"{k}={v}" for k, v in ident["settings"].items()) or "defaults"
     dirty = " (dirty tree)" if ident["dirty"] else ""
-    return f"commit {ident['commit']}{dirty}; GPU: {ident['gpu']}; {versions}; settings: {settings}"
+    tree = f", tree {ident['tree']}" if ident.get("tree") else ""
+    return (
+        f"commit {ident['commit']}{dirty}{tree}; GPU: {ident['gpu']}; {versions}; "
+        f"settings: {settings}"
+    )
 
 
 def bucket_shares(step_tokens: dict, buckets: list[int]) -> dict[int | str, float]:

@@ -193,3 +193,36 @@ def test_progress_lines_say_whether_the_servers_steps_end(capsys):
     assert "server:" not in printed[0]  # nothing to compare the first read with
     assert "server: 3 steps ended since the last line (10.0 ms mean), 1 preemptions" in printed[1]
     assert "server metrics unreadable" in printed[3]
+
+
+def test_the_identity_names_the_files_that_ran_by_their_git_tree(tmp_path, monkeypatch):
+    """A copied tree's .git may be stale (its HEAD an older commit): the identity's tree id
+    is computed from the files themselves, equal to `COMMIT^{tree}` of the commit they are,
+    other after any change, and never touches the real index (nothing staged)."""
+    import subprocess
+
+    from benchmarks import bench_report
+
+    def git(*args):
+        return subprocess.run(
+            ["git", *args], cwd=tmp_path, check=True, capture_output=True, text=True
+        ).stdout.strip()
+
+    git("init", "-q")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    (tmp_path / ".gitignore").write_text("build/\n")
+    git("add", "-A")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
+    (tmp_path / "build").mkdir()
+    (tmp_path / "build" / "out.bin").write_text("ignored")
+    (tmp_path / ".whl").mkdir()
+    (tmp_path / ".whl" / "w.whl").write_text("the device's wheels")
+    monkeypatch.setattr(bench_report, "ROOT", tmp_path)
+    assert bench_report.tree_id() == git("rev-parse", "HEAD^{tree}")[:12]
+    (tmp_path / "new.py").write_text("y = 2\n")  # untracked, as a copy's new files are
+    changed = bench_report.tree_id()
+    assert changed not in ("?", git("rev-parse", "HEAD^{tree}")[:12])
+    assert git("status", "--porcelain", "--untracked-files=no") == ""  # nothing staged
+    monkeypatch.setattr(bench_report, "ROOT", tmp_path / "build")  # not a repository root
+    (tmp_path / ".git").rename(tmp_path / "git-moved")
+    assert bench_report.tree_id() == "?"
