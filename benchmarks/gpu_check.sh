@@ -64,7 +64,9 @@ fi
 [ -n "${SKIP_CODEC:-}" ] || timeout 150 python3 benchmarks/codec_throughput.py ${CODEC_ARGS:-} 2>&1 | tee "$OUT/codec_throughput.log" | tail -24
 TESTS=${PYTEST_ARGS-tests}
 if [ -n "$TESTS" ]; then
-  timeout ${TESTS_LIMIT:-400} python3 -m pytest -q -rs -p no:cacheprovider $TESTS ${TESTS_K:+-k "$TESTS_K"} -s > "$OUT/tests.log" 2>&1
+  # modules that import what the GPU image lacks (openai, psycopg...) have no CUDA tests:
+  # their collection errors are reported without stopping the rest
+  timeout ${TESTS_LIMIT:-400} python3 -m pytest -q -rs -p no:cacheprovider --continue-on-collection-errors $TESTS ${TESTS_K:+-k "$TESTS_K"} -s > "$OUT/tests.log" 2>&1
   echo "pytest exit status $?"  # (0: every selected test passed; 4/5: nothing collected)
   grep -E "passed|failed|error|worst|rel err|FAILED|Error" "$OUT/tests.log" | tail -20
 fi
