@@ -4,6 +4,8 @@
 # to /tmp/full-codec. Parts, by environment variable:
 #   ATTN=1       the attention kernel sweep (benchmarks/attention_shapes.py)
 #   GEMM=1       the cuBLAS GEMM table (GEMM_B: batch sizes, GEMM_ARGS e.g. --tunable)
+#   RACE=1       backbone and codec graphs replayed concurrently, captured on one stream or
+#                two (benchmarks/workspace_race_probe.py, RACE_ARGS its arguments)
 #   SKIP_CODEC=1 skips the codec throughput table (CODEC_ARGS: its arguments)
 #   PYTEST_ARGS  tests to run (default: the whole suite; "" skips them); TESTS_K: a -k filter
 #   LOOP=1       the engine alone under the served load, async vs sync (LOOP_C: concurrencies)
@@ -60,6 +62,9 @@ if [ "${NCU:-0}" = 1 ]; then
 fi
 if [ "${GEMM:-0}" = 1 ]; then
   timeout ${GEMM_LIMIT:-200} python3 benchmarks/gemm_shapes.py --batches ${GEMM_B:-1,64,128} ${GEMM_ARGS:-} 2>&1 | tee "$OUT/gemm.log" | grep -v "^(" | tail -32
+fi
+if [ "${RACE:-0}" = 1 ]; then
+  timeout ${RACE_LIMIT:-150} python3 benchmarks/workspace_race_probe.py ${RACE_ARGS:-} 2>&1 | tee "$OUT/race.log" | tail -8
 fi
 [ -n "${SKIP_CODEC:-}" ] || timeout 150 python3 benchmarks/codec_throughput.py ${CODEC_ARGS:-} 2>&1 | tee "$OUT/codec_throughput.log" | tail -24
 TESTS=${PYTEST_ARGS-tests}

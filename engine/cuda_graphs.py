@@ -82,15 +82,22 @@ def measured_capture(family: str) -> Iterator[CaptureReport]:
     )
 
 
-def capture_graph(fn, pool=None) -> tuple[torch.cuda.CUDAGraph, object]:
+def capture_graph(fn, pool=None, stream=None) -> tuple[torch.cuda.CUDAGraph, object]:
     """`fn()` captured as a CUDA graph: two eager calls first (compile kernels, settle the
-    allocator outside the capture), then the capture. Returns the graph and `fn`'s static
-    output, which every replay overwrites."""
+    allocator outside the capture), then the capture, on `stream` (default: torch's one
+    capture stream). Returns the graph and `fn`'s static output, which every replay
+    overwrites.
+
+    Graphs that may replay at the same time on different streams must be captured on
+    different streams: torch keys the cuBLAS / cuBLASLt workspace by (handle, stream) and
+    bakes its address into each captured GEMM, so graphs captured on one stream share one
+    workspace (pytorch/pytorch#193402), and two of them replaying concurrently write each
+    other's split-K partials and flags."""
     for _ in range(2):
         fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    with torch.cuda.graph(graph, pool=pool, stream=stream):
         out = fn()
     return graph, out
 

@@ -64,7 +64,7 @@ class Codec:
         graphs = CodecGraphs(
             self.decoder, max_batch, stream.first_chunk_frames, window, ladder=ladder
         )
-        report = graphs.capture(autotune=autotune)
+        report = graphs.capture(autotune=autotune, stream=self.chunks.stream)
         self.chunks.graphs = graphs
         return report
 

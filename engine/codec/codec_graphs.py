@@ -82,26 +82,29 @@ class CodecGraphs:
         return self.graph_shape(batch, frames) is not None
 
     @torch.inference_mode()
-    def capture(self, autotune: bool = False) -> CaptureReport:
-        """Every graph, largest first. `autotune`: cuDNN times its algorithms for the
-        batched shapes (not the tails: rare, small, and 33 more timings at start-up)."""
+    def capture(self, autotune: bool = False, stream: torch.cuda.Stream | None = None):
+        """Every graph, largest first, captured on `stream`: the stream they replay on
+        (ChunkDecoder's), never the backbone's capture stream, whose cuBLAS workspace the
+        codec's linear layer would otherwise share while both run (see `capture_graph`).
+        `autotune`: cuDNN times its algorithms for the batched shapes (not the tails: rare,
+        small, and 33 more timings at start-up)."""
         device = self.decoder.codebooks.device
         pool = torch.cuda.graph_pool_handle()
         by_size = lambda shapes: sorted(shapes, key=lambda s: s[0] * s[1], reverse=True)  # noqa: E731
         with measured_capture("codec") as report:
             with cudnn_autotuned(autotune):
                 for shape in by_size(self.window_shapes):
-                    self._capture(shape, device, pool)
+                    self._capture(shape, device, pool, stream)
             for shape in by_size(self.tail_shapes):
-                self._capture(shape, device, pool)
+                self._capture(shape, device, pool, stream)
             report.num_graphs, report.shapes = len(self.graphs), list(self.graphs)
         self.report = report
         return report
 
-    def _capture(self, shape: tuple[int, int], device: torch.device, pool) -> None:
+    def _capture(self, shape: tuple[int, int], device: torch.device, pool, stream) -> None:
         b, t = shape
         codes = torch.zeros(b, 8, t, dtype=torch.long, device=device)
-        graph, audio = capture_graph(lambda: self.decoder(codes), pool)
+        graph, audio = capture_graph(lambda: self.decoder(codes), pool, stream)
         self.graphs[shape] = (graph, codes, audio)
 
     def run(self, codes: torch.Tensor) -> torch.Tensor | None:

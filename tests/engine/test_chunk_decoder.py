@@ -290,18 +290,21 @@ def test_decoder_matches_transformers(codec, reference, batch, frames):
 @pytest.mark.parametrize("autotune", [False, True], ids=["heuristic", "autotuned"])
 def test_codec_captures_every_batch_size_unless_autotuned(codec_dir, monkeypatch, autotune):
     """Codec graphs come for every batch size up to the plan's maximum; autotuned ones (each
-    a cuDNN timing at start-up) for the coarse ladder, with autotuning asked of the capture.
-    The capture itself needs CUDA: recorded here, not run."""
+    a cuDNN timing at start-up) for the coarse ladder, with autotuning asked of the capture,
+    which runs on the codec's own stream. The capture itself needs CUDA: recorded here, not
+    run (on the CPU the stream is None; the GPU test checks a real one)."""
     from engine.codec.codec_graphs import CodecGraphs, batch_ladder
     from engine.config import StreamConfig
     from engine.plan import ExecutionPlan
 
     asked = []
-    monkeypatch.setattr(CodecGraphs, "capture", lambda self, autotune=False: asked.append(autotune))
+    monkeypatch.setattr(
+        CodecGraphs, "capture", lambda self, autotune, stream: asked.append((autotune, stream))
+    )
     plan = ExecutionPlan(codec_graph_max_batch=24, codec_autotune=autotune)
     codec = Codec.load(codec_dir, CPU, 1 << 20, plan)
     codec.capture_graphs(StreamConfig())
     graphs = codec.chunks.graphs
-    assert asked == [autotune]
+    assert asked == [(autotune, codec.chunks.stream)]  # captured on the stream it replays on
     assert graphs.ladder == (batch_ladder(24) if autotune else list(range(1, 25)))
     assert graphs.graph_shape(9, 33) == ((10, 33) if autotune else (9, 33))

@@ -167,3 +167,21 @@ def test_codec_autotune_needs_graphs_on_the_gpu(tmp_path):
     )
     with pytest.raises(ConfigError, match="codec_autotune needs codec graphs"):
         Engine.from_pretrained(None, config, cache_dir=tmp_path)
+
+
+@pytest.mark.parametrize("backbone", ["fp8", "bf16"])
+def test_codec_graphs_beside_backbone_graphs_keep_their_results(backbone):
+    """The codec's graphs replay on their own stream while the backbone's replay on the
+    engine's. Captured on the codec's stream (as Codec.capture_graphs does), they get a
+    cuBLAS workspace of their own: 50 concurrent replays of a step's projections at 512
+    rows (fp8 `_scaled_mm` or bf16) beside the codec's 8 x 33 graph each equal their solo
+    results bit for bit, and none stalls (benchmarks/workspace_race_probe.py compares the
+    shared capture)."""
+    if backbone == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 matmul needs compute capability 8.9+")
+    from benchmarks.workspace_race_probe import build, race
+
+    result = race(*build("separate", backbone, CUDA), iters=50, stall_s=30.0)
+    assert not result["stalled"]
+    assert result["iters"] == 50
+    assert (result["backbone_bad"], result["codec_bad"]) == (0, 0)

@@ -1,0 +1,159 @@
+"""Whether two CUDA graphs that replay at the same time on two streams corrupt or stall each
+other through a shared cuBLAS workspace, as the served engine runs them: the backbone's
+projections (fp8 `torch._scaled_mm` or bf16 `F.linear`, the Higgs shapes at 512 rows)
+replayed on the engine's stream while the codec decoder's graph (8 windows of 33 frames)
+replays on the codec's. torch keys the workspace by (handle, stream) and bakes its address
+into each captured GEMM, so graphs captured on one stream share it
+(engine/cuda_graphs.py: capture_graph).
+
+Modes: `shared` captures both on torch's one capture stream (how the engine captured its
+codec graphs before they moved to the codec's stream); `separate` captures the codec's on
+its own stream (how it does now). Each pair is replayed alone first (the reference
+outputs), then `--iters` times concurrently; every output is compared bit for bit with its
+reference, and an iteration that does not finish within `--stall-s` is a stall (the probe
+then prints what it has and exits, since the GPU may never finish it).
+
+    python benchmarks/workspace_race_probe.py [--iters 200] [--modes shared,separate]
+        [--backbone fp8,bf16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.checkpoint_writer import write_codec_dir  # noqa: E402
+from engine.codec.codec_graphs import CodecGraphs  # noqa: E402
+from engine.codec.config import STANDARD_CODEC_CONFIG  # noqa: E402
+from engine.codec.loader import build_decoder, load_codec_state  # noqa: E402
+from engine.cuda_graphs import capture_graph  # noqa: E402
+from engine.quantization import Fp8Linear, quantize_rows, quantize_weight, scaled_matmul  # noqa: E402
+
+# the Higgs v3 decoder layer's projections (out, in) and a full step's token count
+SHAPES = [(6144, 2560), (2560, 4096), (19456, 2560), (2560, 9728)]
+ROWS = 512
+
+
+def backbone_fn(dtype: str, device):
+    """A step's projections, one after another, as one callable (its static output: the
+    last projection's `[ROWS, N]`, which depends on every earlier one)."""
+    gen = torch.Generator(device="cpu").manual_seed(3)
+    weights = [
+        torch.randn(n, k, generator=gen).mul(0.02).to(device, torch.bfloat16) for n, k in SHAPES
+    ]
+    x = torch.randn(ROWS, SHAPES[0][1], generator=gen).to(device, torch.bfloat16)
+    if dtype == "fp8":
+        layers = [Fp8Linear(*quantize_weight(w)) for w in weights]
+
+        def run():
+            h = x
+            for layer, (_, k) in zip(layers, SHAPES, strict=True):
+                h = scaled_matmul(quantize_rows(_fit(h, k)), layer, torch.bfloat16)
+            return h
+
+    else:
+
+        def run():
+            h = x
+            for w, (_, k) in zip(weights, SHAPES, strict=True):
+                h = F.linear(_fit(h, k), w)
+            return h
+
+    return run
+
+
+def _fit(h: torch.Tensor, k: int) -> torch.Tensor:
+    """`h` cut or tiled to `k` columns (the next projection's input width)."""
+    if h.shape[1] >= k:
+        return h[:, :k].contiguous()
+    return h.repeat(1, -(-k // h.shape[1]))[:, :k].contiguous()
+
+
+def build(mode: str, backbone: str, device):
+    """(backbone graph, its output, codec graphs, codec codes, codec stream)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg, state = load_codec_state(write_codec_dir(Path(tmp), STANDARD_CODEC_CONFIG, 9))
+    decoder = build_decoder(cfg, state, device, torch.float32, True, True)
+    codec_stream = torch.cuda.Stream(device)
+    codec = CodecGraphs(decoder, max_batch=8)
+    with torch.inference_mode():
+        codec.capture(stream=codec_stream if mode == "separate" else None)
+        graph, out = capture_graph(backbone_fn(backbone, device))
+    codes = torch.randint(0, 1024, (8, 8, 33), device=device)
+    return graph, out, codec, codes, codec_stream
+
+
+def race(graph, out, codec, codes, codec_stream, iters: int, stall_s: float) -> dict:
+    """Replays both concurrently `iters` times against their solo references."""
+    main = torch.cuda.current_stream()
+    with torch.inference_mode():
+        graph.replay()
+        ref_backbone = out.clone()
+        with torch.cuda.stream(codec_stream):
+            ref_codec = codec.run(codes).clone()
+        torch.cuda.synchronize()
+        result = {"iters": 0, "backbone_bad": 0, "codec_bad": 0, "max_ms": 0.0, "stalled": False}
+        for _ in range(iters):
+            start = time.perf_counter()
+            codec_stream.wait_stream(main)
+            graph.replay()  # the engine's stream
+            with torch.cuda.stream(codec_stream):
+                audio = codec.run(codes)
+            done = torch.cuda.Event()
+            done.record(codec_stream)
+            main.wait_event(done)
+            finished = torch.cuda.Event()
+            finished.record(main)
+            while not finished.query():
+                if time.perf_counter() - start > stall_s:
+                    result["stalled"] = True
+                    return result
+                time.sleep(0.0005)
+            result["max_ms"] = max(result["max_ms"], (time.perf_counter() - start) * 1e3)
+            result["iters"] += 1
+            result["backbone_bad"] += int(not torch.equal(out, ref_backbone))
+            result["codec_bad"] += int(not torch.equal(audio, ref_codec))
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--modes", default="shared,separate")
+    ap.add_argument("--backbone", default="fp8,bf16")
+    ap.add_argument("--stall-s", type=float, default=10.0)
+    args = ap.parse_args()
+    device = torch.device("cuda")
+    rows = []
+    for backbone in args.backbone.split(","):
+        for mode in args.modes.split(","):
+            r = race(*build(mode, backbone, device), args.iters, args.stall_s)
+            rows.append((backbone, mode, r))
+            print(f"{backbone} {mode}: {r}", flush=True)
+            if r["stalled"]:
+                break
+        if rows and rows[-1][2]["stalled"]:
+            break
+    print(f"\nconcurrent graph replays, {torch.cuda.get_device_name()}, {ROWS} rows, codec 8x33")
+    head = ("backbone", "capture", "iters", "backbone bad", "codec bad", "max ms")
+    print("{:<9}{:<10}{:>6}{:>14}{:>11}{:>9}  stalled".format(*head))
+    for backbone, mode, r in rows:
+        print(
+            f"{backbone:<9}{mode:<10}{r['iters']:>6}{r['backbone_bad']:>14}{r['codec_bad']:>11}"
+            f"{r['max_ms']:>9.2f}  {'STALL' if r['stalled'] else 'no'}"
+        )
+    sys.stdout.flush()
+    os._exit(0)  # a stalled GPU would keep the interpreter from exiting
+
+
+if __name__ == "__main__":
+    main()
