@@ -64,6 +64,9 @@ class Codec:
         graphs = CodecGraphs(
             self.decoder, max_batch, stream.first_chunk_frames, window, ladder=ladder
         )
+        shared = torch.cuda.graph.default_capture_stream  # the backbone's (see capture_graph)
+        if shared is not None and shared == self.chunks.stream:  # torch's pool of 32 wrapped
+            self.chunks.stream = torch.cuda.Stream(self.chunks.device)
         report = graphs.capture(autotune=autotune, stream=self.chunks.stream)
         self.chunks.graphs = graphs
         return report

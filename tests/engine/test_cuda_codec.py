@@ -185,3 +185,29 @@ def test_codec_graphs_beside_backbone_graphs_keep_their_results(backbone):
     assert not result["stalled"]
     assert result["iters"] == 50
     assert (result["backbone_bad"], result["codec_bad"]) == (0, 0)
+
+
+def test_codec_graphs_never_share_the_backbones_capture_stream(tmp_path):
+    """torch hands out streams from a pool of 32 per device: where the codec's stream is
+    the one torch captures other graphs on, the codec takes another before capturing, and
+    its graphs replay there."""
+    from engine.codec.chunk_decoder import ChunkDecoder
+    from engine.codec.codec import Codec
+    from engine.config import StreamConfig
+    from engine.plan import ExecutionPlan
+    from engine.streaming import ChunkWindow
+
+    cfg_dir = write_codec_dir(tmp_path, STANDARD_CODEC_CONFIG, 9)
+    codec = Codec.load(cfg_dir, CUDA, 1 << 20, ExecutionPlan(codec_graph_max_batch=1))
+    graph = torch.cuda.CUDAGraph()  # makes torch's capture stream if none exists yet
+    with torch.cuda.graph(graph):
+        torch.zeros(1, device=CUDA).add_(1)
+    shared = torch.cuda.graph.default_capture_stream
+    codec.chunks.stream = shared
+    codec.capture_graphs(StreamConfig())
+    assert codec.chunks.stream != shared
+    codes = tuple(tuple((f * 5 + c) % 1024 for f in range(33)) for c in range(8))
+    window = ChunkWindow("r", 1, 8, 33, 8, 0, codes, False)
+    graphed = codec.chunks.decode([window])[0]
+    eager = ChunkDecoder(codec.chunks.decoder).decode([window])[0]
+    assert graphed.error is None and graphed.pcm == eager.pcm
