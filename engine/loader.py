@@ -159,6 +159,17 @@ def load_model(
         model = HiggsModel(cfg, backend, plan or ExecutionPlan())
     for p in model.parameters():
         p.data = p.data.to(dtype)
+    codec_keys = _fill(model, ckpt, cfg)
+    model.eval().requires_grad_(False)
+    if quantization == "fp8":  # after _fill's references to the bf16 weights are gone
+        quantize_model(model, plan or ExecutionPlan())
+    return model, codec_keys
+
+
+def _fill(model: HiggsModel, ckpt: Path, cfg) -> list[str]:
+    """Copies every checkpoint tensor into the model's parameters; returns the codec keys
+    seen. Its own function so that nothing here outlives the copy: quantize_model can only
+    return the bf16 projections' memory when nothing else holds them."""
     params = dict(model.named_parameters())
     seen: set[str] = set()
     codec_keys: list[str] = []
@@ -182,7 +193,4 @@ def load_model(
     missing = sorted(expected_keys(cfg) - seen)
     if missing:
         raise ConfigError(f"checkpoint is missing key {missing[0]!r} ({len(missing)} missing)")
-    model.eval().requires_grad_(False)
-    if quantization == "fp8":
-        quantize_model(model, plan or ExecutionPlan())
-    return model, codec_keys
+    return codec_keys

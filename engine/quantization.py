@@ -155,6 +155,28 @@ class Fp8Ops:
 PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 
+def _quantize_projections(layer: nn.Module, device: torch.device) -> None:
+    """One decoder layer's projections replaced by `Fp8Linear`s; nothing of the bf16 ones
+    is kept (a function of its own so that no local outlives it)."""
+    for path in PROJECTIONS:
+        owner_name, name = path.split(".")
+        owner = getattr(layer, owner_name)
+        linear = getattr(owner, name)
+        if device.type == "cuda" and any(d % 16 for d in linear.weight.shape):
+            raise ConfigError(
+                f"quantization='fp8' needs projection sizes divisible by 16; {path} is "
+                f"{tuple(linear.weight.shape)}: use quantization='none' for this model"
+            )
+        setattr(owner, name, Fp8Linear.from_linear(linear))
+
+
+def return_cached_memory(device: torch.device) -> None:
+    """The freed bf16 weights' memory back to the device, so that sizing the KV cache from
+    the device's free memory (engine/runner.py: auto_num_kv_blocks) counts it."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def quantize_model(model: nn.Module, plan) -> None:
     """Replaces every decoder layer's projections with `Fp8Linear`s and the model's ops with
     `Fp8Ops` (`plan`: its few-row GEMM settings), in place, after the checkpoint is loaded.
@@ -165,18 +187,8 @@ def quantize_model(model: nn.Module, plan) -> None:
     if device.type == "cuda" and dtype != torch.bfloat16:
         raise ConfigError(f"quantization='fp8' on CUDA needs dtype bfloat16, got {dtype}")
     for layer in model.layers:
-        for path in PROJECTIONS:
-            owner_name, name = path.split(".")
-            owner = getattr(layer, owner_name)
-            linear = getattr(owner, name)
-            if device.type == "cuda" and any(d % 16 for d in linear.weight.shape):
-                raise ConfigError(
-                    f"quantization='fp8' needs projection sizes divisible by 16; {path} is "
-                    f"{tuple(linear.weight.shape)}: use quantization='none' for this model"
-                )
-            setattr(owner, name, Fp8Linear.from_linear(linear))
-    if device.type == "cuda":  # the bf16 weights' memory back to the device: KV sizing sees it
-        torch.cuda.empty_cache()
+        _quantize_projections(layer, device)
+    return_cached_memory(device)
     fused = device.type == "cuda" and model.fused_ops
     rows, tma = plan.few_row_fp8_rows, plan.few_row_gemm_tma
     model.ops = Fp8Ops(model.ops, fused, dtype, device, max_rows=rows, tma=tma)

@@ -167,3 +167,38 @@ def test_scaled_mm_rows_pads_to_the_next_power_of_two():
     assert [scaled_mm_rows(n) for n in (1, 2, 3, 64, 65, 128, 272, 512, 513)] == [
         1, 2, 4, 64, 128, 128, 512, 512, 1024,
     ]  # fmt: skip
+
+
+def test_the_bf16_projections_are_gone_when_their_memory_is_returned(tiny_ckpt, monkeypatch):
+    """fp8 weights free the bf16 projections' memory, and the KV cache is sized from the
+    device's free memory: when quantize_model hands the cache back to the device, no bf16
+    projection weight may still be referenced (earlier, the loader's parameter table kept
+    all of them alive, so the cache could return nothing and fp8 got fewer KV blocks)."""
+    import gc
+    import weakref
+
+    from engine import quantization
+    from engine.attention import TorchAttention
+    from engine.loader import load_model
+    from engine.plan import ExecutionPlan
+
+    originals = []
+    from_linear = Fp8Linear.from_linear.__func__
+
+    def recording(cls, linear):
+        originals.append(weakref.ref(linear.weight))
+        return from_linear(cls, linear)
+
+    alive_at_return = []
+
+    def returned(device):
+        gc.collect()
+        alive_at_return.append(sum(ref() is not None for ref in originals))
+
+    monkeypatch.setattr(Fp8Linear, "from_linear", classmethod(recording))
+    monkeypatch.setattr(quantization, "return_cached_memory", returned)
+    model, _ = load_model(
+        tiny_ckpt, TorchAttention(), torch.device("cpu"), torch.float32, ExecutionPlan(), "fp8"
+    )
+    assert len(originals) == 4 * len(model.layers)
+    assert alive_at_return == [0]
