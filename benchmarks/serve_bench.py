@@ -304,13 +304,35 @@ def start_server(
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2) as r:
                 if r.status == 200:
-                    print(f"server ready after {time.monotonic() - started:.0f} s", flush=True)
+                    took = time.monotonic() - started
+                    print(f"server ready after {took:.0f} s{startup_facts(port)}", flush=True)
                     return proc
         except OSError:
             pass
         time.sleep(1)
     proc.kill()
     raise RuntimeError("server did not become ready")
+
+
+def startup_facts(port: int) -> str:
+    """What the start-up made, from /metrics once ready: the seconds each graph family took
+    to capture (autotuned codec graphs show here) and the KV cache's free blocks (all of
+    them before any request; fp8 weights should give more than bf16). Empty where the
+    server does not export them."""
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+    except OSError:
+        return ""
+    capture, blocks = [], 0.0
+    for line in text.decode().splitlines():
+        series, _, value = line.rpartition(" ")
+        if series.startswith("clonecast_graph_capture_seconds{"):
+            family = series.split('family="')[1].split('"')[0]
+            capture.append(f"{family} {float(value):.1f} s")
+        elif series.startswith("clonecast_kv_cache_free_blocks"):
+            blocks += float(value)
+    facts = f"; graph capture: {', '.join(capture)}" if capture else ""
+    return facts + (f"; KV cache: {blocks:,.0f} blocks free" if blocks else "")
 
 
 def process_cpu(server_pid: int) -> dict[str, float]:

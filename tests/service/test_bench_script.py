@@ -40,6 +40,8 @@ def test_serve_bench_smoke(tmp_path, model_cache):
     assert pool["voices"] == 4 and pool["prefill_per_request"] > 75  # 3-6 s references
     assert pool["window_requests"] >= 1 and pool["underruns_per_1000"] >= 0
     assert "commit " in stdout and "NOT VALID (1 starts < 3" in stdout
+    # what the start-up made: capture seconds per graph family (none on the CPU) and blocks
+    assert "graph capture: backbone 0.0 s, sampler 0.0 s, codec 0.0 s; KV cache: " in stdout
     assert "steps per graph bucket" not in stdout  # the CPU runs eagerly: no buckets
     assert "pool" in stdout
 
