@@ -26,7 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.overrides import engine_config  # noqa: E402
-from benchmarks.serve_bench import TEXTS, durations, reference_wav, write_full  # noqa: E402
+from benchmarks.serve_bench import TEXTS, durations, write_full  # noqa: E402
+from benchmarks.voice_pool import reference_wav  # noqa: E402
 
 
 def run(engine, reference, concurrency: int, warmup_s: float, timed_s: float, profile):

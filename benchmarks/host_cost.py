@@ -20,7 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.serve_bench import TEXTS, reference_wav  # noqa: E402
+from benchmarks.serve_bench import TEXTS  # noqa: E402
+from benchmarks.voice_pool import reference_wav  # noqa: E402
 from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from engine.codec.chunk_decoder import PendingChunks  # noqa: E402
 from engine.cuda_graphs import CapturedGraph, CapturedSampler  # noqa: E402
