@@ -29,7 +29,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 import urllib.parse
@@ -39,10 +38,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bench_report import describe_identity, identity, print_table  # noqa: E402
+from benchmarks.bench_server import (  # noqa: E402
+    delta,
+    process_cpu,
+    server_counters,
+    start_server,
+    stop_server,
+)
 from benchmarks.metrics_window import RunningSampler  # noqa: E402
 from benchmarks.voice_pool import pool  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 TEXTS = [
     "Thanks for calling, how can I help you today?",
     "The package will arrive on Thursday between nine and noon.",
@@ -274,131 +279,6 @@ def client_gap(records: list[Record]) -> float:
     return statistics.fmean(gaps) if gaps else 0.0
 
 
-def start_server(
-    model: str | None,
-    port: int,
-    eager: bool,
-    max_num_seqs: int,
-    log: Path,
-    sim: str | None,
-    prefix_caching: bool = True,
-):
-    cmd = [sys.executable, "-m", "service.cli", "serve", "--log-level", "warning"]
-    if sim is not None:  # the host side for real, GPU work simulated (benchmarks/sim_server.py)
-        script = os.environ.get("CLONECAST_SIM_SCRIPT", str(ROOT / "benchmarks" / "sim_server.py"))
-        cmd = [sys.executable, script, *sim.split()]
-    cmd += ["--port", str(port), "--max-num-seqs", str(max_num_seqs)]
-    if model and sim is None:
-        cmd += ["--model", model]
-    if eager:
-        cmd.append("--eager")
-    env_extra = {} if prefix_caching else {"CLONECAST_PREFIX_CACHING": "0"}
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    env = {**os.environ, "PYTHONPATH": path, **env_extra}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
-    started = time.monotonic()
-    deadline = started + 900
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited ({proc.returncode}); see {log}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2) as r:
-                if r.status == 200:
-                    took = time.monotonic() - started
-                    print(f"server ready after {took:.0f} s{startup_facts(port)}", flush=True)
-                    return proc
-        except OSError:
-            pass
-        time.sleep(1)
-    proc.kill()
-    raise RuntimeError("server did not become ready")
-
-
-def startup_facts(port: int) -> str:
-    """What the start-up made, from /metrics once ready: the seconds each graph family took
-    to capture (autotuned codec graphs show here) and the KV cache's free blocks (all of
-    them before any request; fp8 weights should give more than bf16). Empty where the
-    server does not export them."""
-    try:
-        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
-    except OSError:
-        return ""
-    capture, blocks = [], 0.0
-    for line in text.decode().splitlines():
-        series, _, value = line.rpartition(" ")
-        if series.startswith("clonecast_graph_capture_seconds{"):
-            family = series.split('family="')[1].split('"')[0]
-            capture.append(f"{family} {float(value):.1f} s")
-        elif series.startswith("clonecast_kv_cache_free_blocks"):
-            blocks += float(value)
-    facts = f"; graph capture: {', '.join(capture)}" if capture else ""
-    return facts + (f"; KV cache: {blocks:,.0f} blocks free" if blocks else "")
-
-
-def process_cpu(server_pid: int) -> dict[str, float]:
-    """CPU seconds (user + system) so far of this client, the server and the server's
-    children (the engine process), from /proc; empty where there is no /proc."""
-    tick = os.sysconf("SC_CLK_TCK")
-
-    def stat(pid: int) -> list[str] | None:
-        try:
-            text = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
-            return None
-        return text.rpartition(")")[2].split()  # fields after the command name
-
-    out = {}
-    for name, pid in (("client", os.getpid()), ("server", server_pid)):
-        fields = stat(pid)
-        if fields is not None:
-            out[name] = (int(fields[11]) + int(fields[12])) / tick
-    for entry in Path("/proc").glob("[0-9]*"):
-        fields = stat(int(entry.name))
-        if fields is not None and int(fields[1]) == server_pid:  # field 4: parent pid
-            out[f"child {entry.name}"] = (int(fields[11]) + int(fields[12])) / tick
-    return out
-
-
-COUNTERS = {
-    "step_s": "clonecast_engine_step_seconds_sum",
-    "steps": "clonecast_engine_step_seconds_count",
-    "rows": "clonecast_engine_rows_total",
-    "preempted": "clonecast_preemptions_total",
-    "prefill": "clonecast_prefill_tokens_total",
-    "prefix_hits": "clonecast_prefix_cache_hit_tokens_total",
-    "queued": "clonecast_queue_time_seconds_count",
-}
-
-
-def server_counters(port: int) -> dict:
-    """The server's running totals (COUNTERS, each summed over its labels) and the launched
-    steps' token counts (`tokens`: {bucket edge: steps at or below it}) from /metrics."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
-    names = {v: k for k, v in COUNTERS.items()}
-    out: dict = {k: 0.0 for k in COUNTERS} | {"tokens": {}, "routed": {}}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        series, _, value = line.rpartition(" ")
-        name = series.split("{")[0]
-        if name in names:
-            out[names[name]] += float(value)
-        elif name == "clonecast_engine_routed_total":  # utterances per engine and reason
-            engine, reason = (series.split(f'{k}="')[1].split('"')[0] for k in ("engine", "reason"))
-            out["routed"][f"{engine}/{reason}"] = float(value)
-        elif name == "clonecast_engine_step_tokens_bucket":
-            edge = float(series.split('le="')[1].split('"')[0])
-            out["tokens"][edge] = float(value)
-    return out
-
-
-def delta(after: dict, before: dict) -> dict:
-    grown = {k: after[k] - before[k] for k in COUNTERS}
-    grown["tokens"] = {e: n - before["tokens"].get(e, 0.0) for e, n in after["tokens"].items()}
-    grown["routed"] = {k: n - before["routed"].get(k, 0.0) for k, n in after["routed"].items()}
-    return grown
-
-
 async def create_voices(url: str, voices: list[tuple[bytes, str]]) -> list[str]:
     """Registers every (recording, transcript) on one connection; their voice ids."""
     import websockets
@@ -503,11 +383,11 @@ def bench_server(args, eager: bool, out: Path, num_voices: int, cold: bool = Fal
                 partial = {str(k): [x for x, _ in v] for k, v in runs.items()}
                 (out / f"partial{tag}.json").write_text(json.dumps(partial, indent=1))
             if args.fresh_server:
-                _stop(server)
+                stop_server(server)
                 server = None
     finally:
         if server is not None:
-            _stop(server)
+            stop_server(server)
     results = {}
     for c, starts in runs.items():
         results[c] = [s for s, _ in starts] + [pooled([s for s, _ in starts], starts)]
@@ -536,11 +416,6 @@ def pooled(summaries: list[dict], starts) -> dict:
             tokens[edge] = tokens.get(edge, 0.0) + n
     pool_["step_tokens"] = tokens
     return pool_
-
-
-def _stop(proc) -> None:
-    proc.terminate()
-    proc.wait(timeout=60)
 
 
 def main() -> None:
