@@ -122,7 +122,7 @@ for lever in ${LEVERS:-}; do
   name=${lever%%:*}; assigns=${lever#*:}
   echo "lever $name: ${assigns//+/ }"
   if [ -n "${LEVER_DUMP:-}" ]; then  # "D1 D2 ...": py-spy dumps of every thread D s after ready
-    ( python3 - "$OUT/dump-$name.txt" $LEVER_DUMP <<'PY'
+    ( timeout $((${LEVER_LIMIT:-200} + 30)) python3 - "$OUT/dump-$name.txt" $LEVER_DUMP <<'PY'
 import pathlib, subprocess, sys, time, urllib.request
 out, delays = pathlib.Path(sys.argv[1]), [float(d) for d in sys.argv[2:]]
 for _ in range(900):  # the benchmark's fresh server (port 8790) ready
@@ -147,8 +147,11 @@ for delay in delays:
         for pid in pids:  # the servers and their children (engine processes)
             f.write(f"=== {delay:.0f} s after ready, pid {pid}\n")
             f.flush()
-            subprocess.run(["/tmp/site/bin/py-spy", "dump", "--native", "--pid", pid],
-                           stdout=f, stderr=subprocess.STDOUT, timeout=60)
+            try:
+                subprocess.run(["/tmp/site/bin/py-spy", "dump", "--native", "--pid", pid],
+                               stdout=f, stderr=subprocess.STDOUT, timeout=60)
+            except (OSError, subprocess.TimeoutExpired) as exc:  # the other dumps still run
+                f.write(f"py-spy failed: {exc}\n")
 PY
     ) &
   fi

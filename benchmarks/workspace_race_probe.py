@@ -1,20 +1,10 @@
-"""Whether two CUDA graphs that replay at the same time on two streams corrupt or stall each
-other through a shared cuBLAS workspace, as the served engine runs them: the backbone's
-projections (fp8 `torch._scaled_mm` or bf16 `F.linear`, the Higgs shapes at 512 rows)
-replayed on the engine's stream while the codec decoder's graph (8 windows of 33 frames)
-replays on the codec's. torch keys the workspace by (handle, stream) and bakes its address
-into each captured GEMM, so graphs captured on one stream share it
-(engine/cuda_graphs.py: capture_graph).
+"""Whether CUDA graphs replaying at once on two streams corrupt or stall each other through a
+shared cuBLAS workspace: a step's projections at 512 rows (fp8 or bf16) on the engine's
+stream beside the codec's 8 x 33 graph on the codec's, captured on one stream (`shared`) or
+two (`separate`, as the engine now does; engine/cuda_graphs.py: capture_graph). Counts
+outputs that differ from solo replays, and stalls (then prints what it has and exits).
 
-Modes: `shared` captures both on torch's one capture stream (how the engine captured its
-codec graphs before they moved to the codec's stream); `separate` captures the codec's on
-its own stream (how it does now). Each pair is replayed alone first (the reference
-outputs), then `--iters` times concurrently; every output is compared bit for bit with its
-reference, and an iteration that does not finish within `--stall-s` is a stall (the probe
-then prints what it has and exits, since the GPU may never finish it).
-
-    python benchmarks/workspace_race_probe.py [--iters 200] [--modes shared,separate]
-        [--backbone fp8,bf16]
+    python benchmarks/workspace_race_probe.py [--iters 200] [--modes separate,shared]
 """
 
 from __future__ import annotations
@@ -96,8 +86,10 @@ def race(graph, out, codec, codes, codec_stream, iters: int, stall_s: float) -> 
     """Replays both concurrently `iters` times against their solo references."""
     main = torch.cuda.current_stream()
     with torch.inference_mode():
+        torch.cuda.synchronize()  # the codes are written; nothing else runs
         graph.replay()
         ref_backbone = out.clone()
+        torch.cuda.synchronize()  # each reference alone on the GPU
         with torch.cuda.stream(codec_stream):
             ref_codec = codec.run(codes).clone()
         torch.cuda.synchronize()
@@ -128,14 +120,15 @@ def race(graph, out, codec, codes, codec_stream, iters: int, stall_s: float) -> 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=200)
-    ap.add_argument("--modes", default="shared,separate")
+    # separate first: a stall in `shared` ends the probe, and the comparison needs both
+    ap.add_argument("--modes", default="separate,shared")
     ap.add_argument("--backbone", default="fp8,bf16")
     ap.add_argument("--stall-s", type=float, default=10.0)
     args = ap.parse_args()
     device = torch.device("cuda")
     rows = []
-    for backbone in args.backbone.split(","):
-        for mode in args.modes.split(","):
+    for mode in args.modes.split(","):  # every backbone's `separate` before any `shared`
+        for backbone in args.backbone.split(","):
             r = race(*build(mode, backbone, device), args.iters, args.stall_s)
             rows.append((backbone, mode, r))
             print(f"{backbone} {mode}: {r}", flush=True)

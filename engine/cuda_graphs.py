@@ -88,11 +88,12 @@ def capture_graph(fn, pool=None, stream=None) -> tuple[torch.cuda.CUDAGraph, obj
     capture stream). Returns the graph and `fn`'s static output, which every replay
     overwrites.
 
-    Graphs that may replay at the same time on different streams must be captured on
-    different streams: torch keys the cuBLAS / cuBLASLt workspace by (handle, stream) and
-    bakes its address into each captured GEMM, so graphs captured on one stream share one
-    workspace (pytorch/pytorch#193402), and two of them replaying concurrently write each
-    other's split-K partials and flags."""
+    Graphs that may replay at the same time on different streams are captured on different
+    streams: torch keys the cuBLAS / cuBLASLt workspace by (handle, stream) and bakes its
+    address into each captured GEMM, so graphs captured on one stream share one workspace
+    (pytorch/pytorch#193402), and two replaying at once may overwrite each other's scratch
+    (split-K partial sums, flags). That race is the likeliest cause of the fp8 engine's
+    stalls under served load; not yet confirmed (benchmarks/workspace_race_probe.py)."""
     for _ in range(2):
         fn()
     torch.cuda.synchronize()

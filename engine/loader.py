@@ -159,6 +159,7 @@ def load_model(
         model = HiggsModel(cfg, backend, plan or ExecutionPlan())
     for p in model.parameters():
         p.data = p.data.to(dtype)
+    del p  # no local may hold a weight that quantize_model frees
     codec_keys = _fill(model, ckpt, cfg)
     model.eval().requires_grad_(False)
     if quantization == "fp8":  # after _fill's references to the bf16 weights are gone

@@ -82,10 +82,13 @@ class CodecGraphs:
         return self.graph_shape(batch, frames) is not None
 
     @torch.inference_mode()
-    def capture(self, autotune: bool = False, stream: torch.cuda.Stream | None = None):
-        """Every graph, largest first, captured on `stream`: the stream they replay on
-        (ChunkDecoder's), never the backbone's capture stream, whose cuBLAS workspace the
-        codec's linear layer would otherwise share while both run (see `capture_graph`).
+    def capture(
+        self, autotune: bool = False, stream: torch.cuda.Stream | None = None
+    ) -> CaptureReport:
+        """Every graph (the batched shapes largest first, then the tails), captured on
+        `stream`: the stream they replay on (ChunkDecoder's), never the backbone's capture
+        stream, whose cuBLAS workspace the codec's products would otherwise share while both
+        run (see `capture_graph`).
         `autotune`: cuDNN times its algorithms for the batched shapes (not the tails: rare,
         small, and 33 more timings at start-up)."""
         device = self.decoder.codebooks.device

@@ -292,7 +292,7 @@ def test_codec_captures_every_batch_size_unless_autotuned(codec_dir, monkeypatch
     """Codec graphs come for every batch size up to the plan's maximum; autotuned ones (each
     a cuDNN timing at start-up) for the coarse ladder, with autotuning asked of the capture,
     which runs on the codec's own stream. The capture itself needs CUDA: recorded here, not
-    run (on the CPU the stream is None; the GPU test checks a real one)."""
+    run (a stand-in for the stream)."""
     from engine.codec.codec_graphs import CodecGraphs, batch_ladder
     from engine.config import StreamConfig
     from engine.plan import ExecutionPlan
@@ -303,8 +303,9 @@ def test_codec_captures_every_batch_size_unless_autotuned(codec_dir, monkeypatch
     )
     plan = ExecutionPlan(codec_graph_max_batch=24, codec_autotune=autotune)
     codec = Codec.load(codec_dir, CPU, 1 << 20, plan)
+    codec.chunks.stream = stream = object()  # stands for the codec's CUDA stream
     codec.capture_graphs(StreamConfig())
     graphs = codec.chunks.graphs
-    assert asked == [(autotune, codec.chunks.stream)]  # captured on the stream it replays on
+    assert asked == [(autotune, stream)]  # captured on the stream it replays on
     assert graphs.ladder == (batch_ladder(24) if autotune else list(range(1, 25)))
     assert graphs.graph_shape(9, 33) == ((10, 33) if autotune else (9, 33))
