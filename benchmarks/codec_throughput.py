@@ -82,71 +82,36 @@ def _time_shapes(fn, inputs: dict, shapes: list) -> list[tuple[float, float, flo
     return [_time_shape(fn, inputs[s]) for s in shapes]
 
 
-def _unfolded(decoder):
-    decoder.acoustic_decoder.fold = False
-    return decoder
+# name -> (dtype, Triton Snake, NHWC activations, TF32 convolutions, cuDNN autotuning: False,
+# True, or how many of its leading candidates to time, biases folded into the Snake passes)
+VARIANTS = {
+    "fp32+tf32": ("float32", False, False, True, False, True),
+    "fp32+tf32 snake": ("float32", True, False, True, False, True),
+    "fp32+tf32 snake tuned": ("float32", True, False, True, True, True),
+    "bf16 snake tuned": ("bfloat16", True, False, False, True, True),
+    # activations in NHWC memory: no layout conversions around cuDNN's convolutions
+    "fp32+tf32 snake nhwc": ("float32", True, True, True, False, True),
+    "bf16 snake nhwc": ("bfloat16", True, True, False, False, True),
+    # the plan's codec_autotune: cuDNN times its algorithms for each shape
+    "fp32+tf32 snake nhwc tuned": ("float32", True, True, True, True, True),
+    "bf16 snake nhwc tuned": ("bfloat16", True, True, False, True, True),
+    # fp16: the tensor cores' rate with three more mantissa bits than bf16
+    "fp16 snake nhwc": ("float16", True, True, False, False, True),
+    "fp16 snake nhwc tuned": ("float16", True, True, False, True, True),
+    # timing only cuDNN's 3 leading candidates (its default: 10): a third of the start-up,
+    # if the fast algorithm is among them
+    "fp16 snake nhwc tuned3": ("float16", True, True, False, 3, True),
+    # as before the folding: cuDNN adds each bias, torch the residuals
+    "fp32+tf32 snake nhwc unfolded": ("float32", True, True, True, False, False),
+}
 
 
-def _variants(cfg, state, cuda) -> dict:
-    """name -> (decoder, TF32 convolutions, cuDNN autotuning: False, True, or how many of
-    its leading candidates to time)."""
-    return {
-        "fp32+tf32": (build_decoder(cfg, state, cuda, torch.float32), True, False),
-        "fp32+tf32 snake": (build_decoder(cfg, state, cuda, torch.float32, True), True, False),
-        "fp32+tf32 snake tuned": (
-            build_decoder(cfg, state, cuda, torch.float32, True),
-            True,
-            True,
-        ),
-        "bf16 snake tuned": (build_decoder(cfg, state, cuda, torch.bfloat16, True), False, True),
-        # activations in NHWC memory: no layout conversions around cuDNN's convolutions
-        "fp32+tf32 snake nhwc": (
-            build_decoder(cfg, state, cuda, torch.float32, True, True),
-            True,
-            False,
-        ),
-        "bf16 snake nhwc": (
-            build_decoder(cfg, state, cuda, torch.bfloat16, True, True),
-            False,
-            False,
-        ),
-        # the plan's codec_autotune: cuDNN times its algorithms for each shape
-        "fp32+tf32 snake nhwc tuned": (
-            build_decoder(cfg, state, cuda, torch.float32, True, True),
-            True,
-            True,
-        ),
-        "bf16 snake nhwc tuned": (
-            build_decoder(cfg, state, cuda, torch.bfloat16, True, True),
-            False,
-            True,
-        ),
-        # fp16: the tensor cores' rate with three more mantissa bits than bf16
-        "fp16 snake nhwc": (
-            build_decoder(cfg, state, cuda, torch.float16, True, True),
-            False,
-            False,
-        ),
-        "fp16 snake nhwc tuned": (
-            build_decoder(cfg, state, cuda, torch.float16, True, True),
-            False,
-            True,
-        ),
-        # the same, timing only cuDNN's 3 leading candidates (its default: 10): a third of
-        # the start-up, if the fast algorithm is among them
-        "fp16 snake nhwc tuned3": (
-            build_decoder(cfg, state, cuda, torch.float16, True, True),
-            False,
-            3,
-        ),
-        # as before the folding: cuDNN adds each bias, torch the residuals (the default folds
-        # them into the Snake passes)
-        "fp32+tf32 snake nhwc unfolded": (
-            _unfolded(build_decoder(cfg, state, cuda, torch.float32, True, True)),
-            True,
-            False,
-        ),
-    }
+def _build(name: str, cfg, state, cuda) -> tuple:
+    """(decoder, TF32 convolutions, cuDNN autotuning) of one of VARIANTS."""
+    dtype, snake, nhwc, tf32, tuned, fold = VARIANTS[name]
+    decoder = build_decoder(cfg, state, cuda, getattr(torch, dtype), snake, nhwc)
+    decoder.acoustic_decoder.fold = fold
+    return decoder, tf32, tuned
 
 
 def main() -> None:
@@ -160,10 +125,8 @@ def main() -> None:
     cuda = torch.device("cuda")
     with tempfile.TemporaryDirectory() as tmp:
         cfg, state = load_codec_state(write_codec_dir(Path(tmp), STANDARD_CODEC_CONFIG, 9))
-    variants = _variants(cfg, state, cuda)
-    if args.variants:
-        wanted = args.variants.replace("_", " ").split(",")
-        variants = {k: v for k, v in variants.items() if k in wanted}
+    wanted = args.variants.replace("_", " ").split(",") if args.variants else list(VARIANTS)
+    variants = {name: _build(name, cfg, state, cuda) for name in VARIANTS if name in wanted}
     if args.reference:
         ref = build_reference_model(cfg, state, cuda)
         variants["transformers fp32"] = (lambda c: ref.decode(c, return_dict=False), True, False)
