@@ -61,19 +61,12 @@ def startup_facts(port: int) -> str:
     them before any request; fp8 weights should give more than bf16). Empty where the
     server does not export them."""
     try:
-        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+        now = read_metrics(port)
     except OSError:
         return ""
-    capture, blocks = [], 0.0
-    for line in text.decode().splitlines():
-        series, _, value = line.rpartition(" ")
-        if series.startswith("clonecast_graph_capture_seconds{"):
-            family = series.split('family="')[1].split('"')[0]
-            capture.append(f"{family} {float(value):.1f} s")
-        elif series.startswith("clonecast_kv_cache_free_blocks"):
-            blocks += float(value)
-    facts = f"; graph capture: {', '.join(capture)}" if capture else ""
-    return facts + (f"; KV cache: {blocks:,.0f} blocks free" if blocks else "")
+    capture = ", ".join(f"{family} {s:.1f} s" for family, s in now["capture"].items())
+    facts = f"; graph capture: {capture}" if capture else ""
+    return facts + (f"; KV cache: {now['kv_free']:,.0f} blocks free" if now["kv_free"] else "")
 
 
 def process_cpu(server_pid: int) -> dict[str, float]:
@@ -111,13 +104,16 @@ COUNTERS = {
 }
 
 
-def server_counters(port: int) -> dict:
-    """The server's running totals (COUNTERS, each summed over its labels) and the launched
-    steps' token counts (`tokens`: {bucket edge: steps at or below it}) from /metrics."""
+def read_metrics(port: int) -> dict:
+    """From the server's /metrics: its running totals (COUNTERS, each summed over its
+    labels), the launched steps' token counts (`tokens`: {bucket edge: steps at or below
+    it}), the utterances routed per engine and reason (`routed`), and two start-up
+    readings: graph capture seconds per family (`capture`) and free KV blocks (`kv_free`)."""
     url = f"http://127.0.0.1:{port}/metrics"
     text = urllib.request.urlopen(url, timeout=10).read().decode()
     names = {v: k for k, v in COUNTERS.items()}
-    out: dict = {k: 0.0 for k in COUNTERS} | {"tokens": {}, "routed": {}}
+    out: dict = {k: 0.0 for k in COUNTERS} | {"tokens": {}, "routed": {}, "capture": {}}
+    out["kv_free"] = 0.0
     for line in text.splitlines():
         if not line or line.startswith("#"):
             continue
@@ -131,6 +127,10 @@ def server_counters(port: int) -> dict:
         elif name == "clonecast_engine_step_tokens_bucket":
             edge = float(series.split('le="')[1].split('"')[0])
             out["tokens"][edge] = float(value)
+        elif name == "clonecast_graph_capture_seconds":
+            out["capture"][series.split('family="')[1].split('"')[0]] = float(value)
+        elif name == "clonecast_kv_cache_free_blocks":
+            out["kv_free"] += float(value)
     return out
 
 

@@ -41,7 +41,7 @@ from benchmarks.bench_report import describe_identity, identity, print_table  # 
 from benchmarks.bench_server import (  # noqa: E402
     delta,
     process_cpu,
-    server_counters,
+    read_metrics,
     start_server,
     stop_server,
 )
@@ -208,7 +208,7 @@ async def _report_progress(
         )
         if port is not None:
             try:
-                now = await asyncio.to_thread(server_counters, port)
+                now = await asyncio.to_thread(read_metrics, port)
             except OSError as exc:
                 line += f"; server metrics unreadable ({exc})"
             else:
@@ -326,7 +326,7 @@ def bench_server(args, eager: bool, out: Path, num_voices: int, cold: bool = Fal
                     plan = json.load(r)["plan"]
                 buckets = plan["graph_buckets"] if plan["cuda_graphs"] else []  # []: eager
             for c, starts in runs.items():
-                before = server_counters(port)
+                before = read_metrics(port)
                 cpu0 = process_cpu(server.pid)
                 t0 = time.perf_counter()
                 warmup = max(c, min(args.warmup, 4 * c))
@@ -338,7 +338,7 @@ def bench_server(args, eager: bool, out: Path, num_voices: int, cold: bool = Fal
                     run_load(url, voice_ids, c, warmup, timed, 1000 * c + s, args.timed_s)
                 )
                 running, waiting = sampler.stop(min(r.sent for r in recs), end)
-                grown = delta(server_counters(port), before)
+                grown = delta(read_metrics(port), before)
                 load_s = time.perf_counter() - t0
                 cpu = {
                     k: (v - cpu0.get(k, 0.0)) / load_s for k, v in process_cpu(server.pid).items()
