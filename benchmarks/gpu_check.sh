@@ -87,23 +87,7 @@ done
 if [ "${SERVE:-0}" = 1 ]; then
   if [ -n "${PYSPY:-}" ]; then  # PYSPY="DELAY DURATION": attach DELAY s after the server is ready
     ( set +e; read -r delay dur <<< "$PYSPY"
-      pid=$(python3 - <<'PY'
-import pathlib, time, urllib.request
-for _ in range(600):  # the benchmark's server (port 8790) ready, then its pid
-    try:
-        urllib.request.urlopen("http://127.0.0.1:8790/ready", timeout=2)
-        break
-    except OSError:
-        time.sleep(1)
-for p in pathlib.Path("/proc").glob("[0-9]*"):
-    try:
-        if b"service.cli\0serve" in (p / "cmdline").read_bytes():
-            print(p.name)
-            break
-    except OSError:
-        pass
-PY
-); sleep "$delay"
+      pid=$(python3 benchmarks/server_procs.py pid); sleep "$delay"
       /tmp/site/bin/py-spy record --pid "$pid" --subprocesses --threads --gil --rate 200 \
         --format raw --duration "$dur" -o "$OUT/pyspy.txt" > "$OUT/pyspy.log" 2>&1 ) &
   fi
@@ -122,38 +106,7 @@ for lever in ${LEVERS:-}; do
   name=${lever%%:*}; assigns=${lever#*:}
   echo "lever $name: ${assigns//+/ }"
   if [ -n "${LEVER_DUMP:-}" ]; then  # "D1 D2 ...": py-spy dumps of every thread D s after ready
-    ( timeout $((${LEVER_LIMIT:-200} + 30)) python3 - "$OUT/dump-$name.txt" $LEVER_DUMP <<'PY'
-import pathlib, subprocess, sys, time, urllib.request
-out, delays = pathlib.Path(sys.argv[1]), [float(d) for d in sys.argv[2:]]
-for _ in range(900):  # the benchmark's fresh server (port 8790) ready
-    try:
-        urllib.request.urlopen("http://127.0.0.1:8790/ready", timeout=2)
-        break
-    except OSError:
-        time.sleep(1)
-ready = time.time()
-for delay in delays:
-    time.sleep(max(0.0, ready + delay - time.time()))
-    procs = {}  # pid -> (parent pid, command line)
-    for p in pathlib.Path("/proc").glob("[0-9]*"):
-        try:  # stat's fields after the command name: state, then the parent pid
-            parent = (p / "stat").read_text().rpartition(")")[2].split()[1]
-            procs[p.name] = (parent, (p / "cmdline").read_bytes())
-        except OSError:  # gone meanwhile
-            pass
-    servers = [pid for pid, (_, cmd) in procs.items() if b"service.cli" in cmd]
-    pids = servers + [pid for pid, (parent, _) in procs.items() if parent in servers]
-    with out.open("a") as f:
-        for pid in pids:  # the servers and their children (engine processes)
-            f.write(f"=== {delay:.0f} s after ready, pid {pid}\n")
-            f.flush()
-            try:
-                subprocess.run(["/tmp/site/bin/py-spy", "dump", "--native", "--pid", pid],
-                               stdout=f, stderr=subprocess.STDOUT, timeout=60)
-            except (OSError, subprocess.TimeoutExpired) as exc:  # the other dumps still run
-                f.write(f"py-spy failed: {exc}\n")
-PY
-    ) &
+    timeout $((${LEVER_LIMIT:-200} + 30)) python3 benchmarks/server_procs.py dump "$OUT/dump-$name.txt" $LEVER_DUMP &
   fi
   env ${assigns//+/ } timeout ${LEVER_LIMIT:-200} python3 benchmarks/serve_bench.py --model $CKPT --concurrency ${LEVER_C:-128,256} --voices ${LEVER_VOICES:-64cold} --timed-s ${PROTOCOL_S:-10} --warmup 64 --starts ${LEVER_STARTS:-1} --fresh-server --max-num-seqs 256 ${LEVER_ARGS:-} --out "$OUT/lever-$name" > "$OUT/lever-$name.log" 2>&1
   grep -v "^[0-9]* voices C=" "$OUT/lever-$name.log" | tail -14
