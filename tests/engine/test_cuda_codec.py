@@ -174,17 +174,26 @@ def test_codec_graphs_beside_backbone_graphs_keep_their_results(backbone):
     """The codec's graphs replay on their own stream while the backbone's replay on the
     engine's. Captured on the codec's stream (as Codec.capture_graphs does), they get a
     cuBLAS workspace of their own: 50 concurrent replays of a step's projections at 512
-    rows (fp8 `_scaled_mm` or bf16) beside the codec's 8 x 33 graph each equal their solo
-    results bit for bit, and none stalls (benchmarks/workspace_race_probe.py compares the
-    shared capture)."""
+    rows (fp8 `_scaled_mm` or bf16) beside the codec's 8 x 33 graph leave the codec's audio
+    equal to its solo result bit for bit, and none stalls (benchmarks/
+    workspace_race_probe.py compares the shared capture). The projections are held to what
+    they do alone: where 50 solo replays are bitwise stable, so must the concurrent ones be;
+    where cuBLAS's kernels already vary from replay to replay on their own (seen for bf16
+    on the H200), a race would show as larger differences than that variation."""
     if backbone == "fp8" and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 matmul needs compute capability 8.9+")
     from benchmarks.workspace_race_probe import build, race
 
+    solo = race(*build("separate", backbone, CUDA), iters=50, stall_s=30.0, with_codec=False)
     result = race(*build("separate", backbone, CUDA), iters=50, stall_s=30.0)
-    assert not result["stalled"]
+    print(f"{backbone}: solo {solo}, beside the codec {result}")
+    assert not solo["stalled"] and not result["stalled"]
     assert result["iters"] == 50
-    assert (result["backbone_bad"], result["codec_bad"]) == (0, 0)
+    assert result["codec_bad"] == 0
+    if solo["backbone_bad"] == 0:
+        assert result["backbone_bad"] == 0
+    else:
+        assert result["backbone_diff"] <= 2 * solo["backbone_diff"]
 
 
 def test_codec_graphs_never_share_the_backbones_capture_stream(tmp_path):
