@@ -51,6 +51,11 @@ class ExecutionPlan:
     # with quantization="fp8": projections of steps up to this many tokens in our GEMM over
     # float8 operands (tiles through TMA where few_row_gemm_tma applies), others _scaled_mm
     few_row_fp8_rows: int = 0
+    # with quantization="fp8" on CUDA: torch._scaled_mm called with a power-of-two row count
+    # (zero rows padded). The mitigation of a served fault whose cause was the codec graphs
+    # sharing the backbone's cuBLAS workspace (fixed since); off, a 272-token step multiplies
+    # 272 rows instead of 512
+    fp8_pow2_rows: bool = False
     cuda_graphs: bool = False  # FULL backbone graphs over `graph_buckets` (Triton backend)
     graph_buckets: tuple[int, ...] = DEFAULT_BUCKETS
     sampler_graphs: bool = False  # one graph per sampler row bucket
@@ -121,6 +126,10 @@ def check_overrides(overrides: Mapping[str, object], device: str) -> None:
             "few_row_fp8_rows needs fused_ops on a CUDA device",
         ),
         (tma is True and (cpu or not fused), "few_row_gemm_tma needs fused_ops on a CUDA device"),
+        (
+            o.get("fp8_pow2_rows") is True and cpu,
+            "fp8_pow2_rows is a setting of the CUDA fp8 matmul (torch._scaled_mm)",
+        ),
         (
             tma is True and rows == 0,
             "few_row_gemm_tma needs the few-row GEMM (few_row_gemm_rows > 0)",
@@ -202,6 +211,7 @@ def resolve(config, model_config, device) -> ExecutionPlan:
         few_row_gemm_tma=resolve_tma(o.get("few_row_gemm_tma"), model_config, item, device)
         if rows or o.get("few_row_fp8_rows", fused and config.quantization == "fp8")
         else False,
+        fp8_pow2_rows=o.get("fp8_pow2_rows", cuda and config.quantization == "fp8"),
         cuda_graphs=graphs and triton,
         graph_buckets=tuple(o.get("graph_buckets", DEFAULT_BUCKETS)),
         sampler_graphs=graphs,

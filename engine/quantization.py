@@ -69,21 +69,26 @@ class Fp8Linear(nn.Module):
 
 
 def scaled_mm_rows(num_rows: int) -> int:
-    """The row count `torch._scaled_mm` is called with for `num_rows` rows: the next power of
-    two. On the H200 (torch 2.11) the served fp8 engine died with an illegal instruction once
-    its steps had other sizes (graph buckets of 272, 288... tokens); the call alone survives
-    every size (benchmarks/scaled_mm_probe.py), so this is a mitigation of a cause not yet
-    isolated: padding costs the GEMM what the power-of-two buckets did, and nothing else."""
+    """The next power of two: the row count `torch._scaled_mm` is called with for `num_rows`
+    rows where the plan's `fp8_pow2_rows` asks for it. On the H200 (torch 2.11) the served
+    fp8 engine died with an illegal instruction once its steps had other sizes (graph buckets
+    of 272, 288... tokens) and survived with this padding; the call alone survives every size
+    (benchmarks/scaled_mm_probe.py), and the fault was later traced to the codec's graphs
+    sharing the backbone's cuBLAS workspace (benchmarks/workspace_race_probe.py, fixed in
+    engine/cuda_graphs.py). Padding costs a prompt step's GEMMs up to twice their rows."""
     return 1 << max(0, num_rows - 1).bit_length()
 
 
-def scaled_matmul(rows: QuantizedRows, layer: Fp8Linear, out_dtype: torch.dtype) -> torch.Tensor:
+def scaled_matmul(
+    rows: QuantizedRows, layer: Fp8Linear, out_dtype: torch.dtype, pow2_rows: bool = False
+) -> torch.Tensor:
     """`rows @ W^T` -> `[T, N]` in `out_dtype`: on CUDA one fp8 tensor-core matmul with both
-    scales applied to its fp32 sums; elsewhere the same sum over dequantized operands."""
+    scales applied to its fp32 sums (`pow2_rows`: over `scaled_mm_rows(T)` rows, the extra
+    ones zero); elsewhere the same sum over dequantized operands."""
     if rows.data.is_cuda:
         data, scale = rows
         t = data.shape[0]
-        padded = scaled_mm_rows(t)
+        padded = scaled_mm_rows(t) if pow2_rows else t
         if padded != t:  # zero rows (scale 1): their outputs are dropped below
             data = torch.cat([data, data.new_zeros(padded - t, data.shape[1])])
             scale = torch.cat([scale, scale.new_ones(padded - t, 1)])
@@ -102,11 +107,15 @@ class Fp8Ops:
     fp8. Each projection's input is quantized where it is made (with fused ops: in the add +
     RMSNorm kernel, or one SiLU-mul + quantize launch, else one quantize launch), then steps
     of up to `max_rows` tokens multiply in our few-row GEMM (kernels/skinny_gemm.py, `tma`:
-    its tiles through the copy engine) and larger ones through the scaled fp8 matmul: the
-    same arithmetic either way. Everything else is the base's."""
+    its tiles through the copy engine) and larger ones through the scaled fp8 matmul (over a
+    power-of-two row count where `pow2_rows`): the same arithmetic either way. Everything
+    else is the base's."""
 
-    def __init__(self, base, fused: bool, dtype: torch.dtype, device, max_rows=0, tma=False):
+    def __init__(
+        self, base, fused: bool, dtype: torch.dtype, device, max_rows=0, tma=False, pow2_rows=False
+    ):
         self.base = base
+        self.pow2_rows = pow2_rows
         self.fused = fused  # Triton quantization kernels (CUDA with the fused ops)
         self.dtype = dtype  # of activations and every projection's output
         self.max_rows, self.tma = max_rows, tma
@@ -128,7 +137,7 @@ class Fp8Ops:
 
     def _matmul(self, rows: QuantizedRows, layer: Fp8Linear) -> torch.Tensor:
         if rows.data.shape[0] > self.max_rows:
-            return scaled_matmul(rows, layer, self.dtype)
+            return scaled_matmul(rows, layer, self.dtype, self.pow2_rows)
         from kernels.skinny_gemm import skinny_gemm, skinny_tiles
 
         tiles = skinny_tiles(rows.data.shape[0], *layer.weight.shape, self.tma)
@@ -179,9 +188,9 @@ def return_cached_memory(device: torch.device) -> None:
 
 def quantize_model(model: nn.Module, plan) -> None:
     """Replaces every decoder layer's projections with `Fp8Linear`s and the model's ops with
-    `Fp8Ops` (`plan`: its few-row GEMM settings), in place, after the checkpoint is loaded.
-    CUDA needs bf16 activations and dimensions that are multiples of 16 (the fp8 matmul's
-    requirements)."""
+    `Fp8Ops` (`plan`: its few-row GEMM and row padding settings), in place, after the
+    checkpoint is loaded. CUDA needs bf16 activations and dimensions that are multiples of
+    16 (the fp8 matmul's requirements)."""
     device = model.embed_tokens.weight.device
     dtype = model.embed_tokens.weight.dtype
     if device.type == "cuda" and dtype != torch.bfloat16:
@@ -191,4 +200,5 @@ def quantize_model(model: nn.Module, plan) -> None:
     return_cached_memory(device)
     fused = device.type == "cuda" and model.fused_ops
     rows, tma = plan.few_row_fp8_rows, plan.few_row_gemm_tma
-    model.ops = Fp8Ops(model.ops, fused, dtype, device, max_rows=rows, tma=tma)
+    pow2 = plan.fp8_pow2_rows
+    model.ops = Fp8Ops(model.ops, fused, dtype, device, max_rows=rows, tma=tma, pow2_rows=pow2)

@@ -71,3 +71,13 @@ def test_codec_autotune_is_refused_where_no_codec_graphs_are_captured(tiny_ckpt)
     eager = EngineConfig(device="cuda", enforce_eager=True, plan_overrides={"codec_autotune": True})
     with pytest.raises(ConfigError, match="codec_autotune needs codec graphs"):
         resolve(eager, model_config, torch.device("cuda"))
+
+
+def test_fp8_row_padding_is_a_cuda_setting(tiny_ckpt):
+    """Padding torch._scaled_mm's rows to a power of two applies to CUDA fp8 weights only: on
+    the CPU the plan leaves it off, and forcing it there is refused."""
+    _, model_config = read_config(tiny_ckpt)
+    plan = resolve(EngineConfig(quantization="fp8"), model_config, CPU)
+    assert plan.fp8_pow2_rows is False
+    with pytest.raises(ConfigError, match="fp8_pow2_rows is a setting of the CUDA fp8 matmul"):
+        EngineConfig(plan_overrides={"fp8_pow2_rows": True})

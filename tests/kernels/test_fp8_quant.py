@@ -123,17 +123,19 @@ def test_skinny_fp8_higgs_shapes_in_bf16(m, n, k, tma):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
-@pytest.mark.parametrize("m", [1, 17, 64, 512])
+@pytest.mark.parametrize("pow2_rows", [False, True])
+@pytest.mark.parametrize("m", [1, 17, 64, 272, 512])
 @pytest.mark.parametrize("n, k", [(6144, 2560), (2560, 4096), (19456, 2560), (2560, 9728)])
-def test_scaled_mm_rowwise_matches_the_dequantized_product(m, n, k):
+def test_scaled_mm_rowwise_matches_the_dequantized_product(m, n, k, pow2_rows):
     """The CUDA path of engine/quantization.py's scaled_matmul (torch._scaled_mm, row-wise
-    scales, bf16 out) against its CPU path's math: the same fp8 operands, dequantized, in
-    fp32. Their only difference is the output's bf16 rounding and the order of the sums."""
+    scales, bf16 out), called over the rows as they are or padded to a power of two, against
+    its CPU path's math: the same fp8 operands, dequantized, in fp32. Their only difference
+    is the output's bf16 rounding and the order of the sums."""
     from engine.quantization import Fp8Linear, QuantizedRows, scaled_matmul
 
     layer = Fp8Linear(*_fp8_weight(n, k, seed=2))
     rows = QuantizedRows(*quantize_rows((2 * torch.randn(m, k, device="cuda")).bfloat16()))
-    out = scaled_matmul(rows, layer, torch.bfloat16)
+    out = scaled_matmul(rows, layer, torch.bfloat16, pow2_rows)
     ref = F.linear(rows.data.float() * rows.scale, layer.dequantized(torch.float32))
     err = float((out.float() - ref).norm() / ref.norm())
     assert out.dtype == torch.bfloat16 and out.shape == (m, n) and err < 1e-2, err
