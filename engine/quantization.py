@@ -70,12 +70,13 @@ class Fp8Linear(nn.Module):
 
 def scaled_mm_rows(num_rows: int) -> int:
     """The next power of two: the row count `torch._scaled_mm` is called with for `num_rows`
-    rows where the plan's `fp8_pow2_rows` asks for it. On the H200 (torch 2.11) the served
-    fp8 engine died with an illegal instruction once its steps had other sizes (graph buckets
-    of 272, 288... tokens) and survived with this padding; the call alone survives every size
-    (benchmarks/scaled_mm_probe.py), and the fault was later traced to the codec's graphs
-    sharing the backbone's cuBLAS workspace (benchmarks/workspace_race_probe.py, fixed in
-    engine/cuda_graphs.py). Padding costs a prompt step's GEMMs up to twice their rows."""
+    rows where the plan's `fp8_pow2_rows` asks for it (off by default). On the H200 (torch
+    2.11) the served fp8 engine died with an illegal instruction once its steps had other
+    sizes (graph buckets of 272, 288... tokens) and survived with this padding; the call
+    alone survives every size (benchmarks/scaled_mm_probe.py), and the fault was later
+    traced to the codec's graphs sharing the backbone's cuBLAS workspace
+    (benchmarks/workspace_race_probe.py, fixed in engine/cuda_graphs.py). Padding costs a
+    prompt step's GEMMs up to twice their rows."""
     return 1 << max(0, num_rows - 1).bit_length()
 
 
