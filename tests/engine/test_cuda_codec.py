@@ -179,9 +179,9 @@ def test_codec_graphs_beside_backbone_graphs_keep_their_results(backbone):
     workspace_race_probe.py compares the shared capture). The projections are held to what
     they do alone: where 50 solo replays are bitwise stable, so must the concurrent ones be;
     where they already vary from replay to replay on their own, a race would show as larger
-    differences than that variation. (bf16, H200 and H100: every replay differed from the
-    first by up to 36, alone or beside the codec, on outputs of at most ~13; the reference
-    is now the second replay, and the first's difference is printed.)"""
+    differences than that variation. (bf16: every replay differed from the first, on the
+    H200 and the H100; on the H100 by up to 36 on outputs of at most ~13, alone or beside
+    the codec. The reference is now the second replay; the first's difference is printed.)"""
     if backbone == "fp8" and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 matmul needs compute capability 8.9+")
     from benchmarks.workspace_race_probe import build, race
