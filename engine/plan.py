@@ -2,8 +2,8 @@
 launch modes, the few-row GEMM, CUDA graphs, the codec's numerics and layout), resolved once
 from the configuration and the device and handed to the model, the attention backend, the
 runner and the codec in their constructors. `EngineConfig` says what to serve; the plan says
-how. Every field but fp8_weight_only_rows (fewer inputs quantized) gives the same results
-within rounding; the measured reasons for each default are in docs/perf-log/.
+how. Every field gives the same results within rounding; the measured reasons for each
+default are in docs/perf-log/.
 
 `EngineConfig.plan_overrides` may set any field but the graph switches (which follow
 `enforce_eager`): absent means "wherever it applies", a feature forced on where it cannot
