@@ -51,10 +51,6 @@ class ExecutionPlan:
     # with quantization="fp8": projections of steps up to this many tokens in our GEMM over
     # float8 operands (tiles through TMA where few_row_gemm_tma applies), others _scaled_mm
     few_row_fp8_rows: int = 0
-    # with quantization="fp8": in steps up to this many tokens, the projections whose input
-    # no norm kernel quantizes (o and down) multiply that bf16 input by the float8 weight
-    # widened in our GEMM, saving a quantize launch each (72 a step); 0: every input quantized
-    fp8_weight_only_rows: int = 0
     # with quantization="fp8" on CUDA: torch._scaled_mm called with a power-of-two row count
     # (zero rows padded): once the mitigation of a served fault whose cause was the codec
     # graphs sharing the backbone's cuBLAS workspace (fixed since), kept as a fallback. Off,
@@ -128,14 +124,6 @@ def check_overrides(overrides: Mapping[str, object], device: str) -> None:
         (
             bool(o.get("few_row_fp8_rows")) and (cpu or not fused),
             "few_row_fp8_rows needs fused_ops on a CUDA device",
-        ),
-        (
-            not 0 <= o.get("fp8_weight_only_rows", 0) <= 64,
-            f"fp8_weight_only_rows must be in 0..64, got {o.get('fp8_weight_only_rows')}",
-        ),
-        (
-            bool(o.get("fp8_weight_only_rows")) and (cpu or not fused),
-            "fp8_weight_only_rows needs fused_ops on a CUDA device",
         ),
         (tma is True and (cpu or not fused), "few_row_gemm_tma needs fused_ops on a CUDA device"),
         (
@@ -224,7 +212,6 @@ def resolve(config, model_config, device) -> ExecutionPlan:
         if rows or o.get("few_row_fp8_rows", fused and config.quantization == "fp8")
         else False,
         fp8_pow2_rows=o.get("fp8_pow2_rows", False),
-        fp8_weight_only_rows=o.get("fp8_weight_only_rows", 0),
         cuda_graphs=graphs and triton,
         graph_buckets=tuple(o.get("graph_buckets", DEFAULT_BUCKETS)),
         sampler_graphs=graphs,

@@ -109,30 +109,19 @@ class Fp8Ops:
     RMSNorm kernel, or one SiLU-mul + quantize launch, else one quantize launch), then steps
     of up to `max_rows` tokens multiply in our few-row GEMM (kernels/skinny_gemm.py, `tma`:
     its tiles through the copy engine) and larger ones through the scaled fp8 matmul (over a
-    power-of-two row count where `pow2_rows`): the same arithmetic either way. In steps of up
-    to `weight_only_rows` tokens, an input that arrives unquantized (o's, and down's gated
-    [gate | up]) is not quantized: our GEMM widens the float8 weight to its dtype instead, one
-    launch where there were two. Everything else is the base's."""
+    power-of-two row count where `pow2_rows`): the same arithmetic either way. Everything
+    else is the base's."""
 
     def __init__(
-        self,
-        base,
-        fused: bool,
-        dtype: torch.dtype,
-        device,
-        max_rows=0,
-        tma=False,
-        pow2_rows=False,
-        weight_only_rows=0,
+        self, base, fused: bool, dtype: torch.dtype, device, max_rows=0, tma=False, pow2_rows=False
     ):
         self.base = base
-        self.weight_only_rows = weight_only_rows
         self.pow2_rows = pow2_rows
         self.fused = fused  # Triton quantization kernels (CUDA with the fused ops)
         self.dtype = dtype  # of activations and every projection's output
         self.max_rows, self.tma = max_rows, tma
         self.counters = None  # the few-row GEMM's int32 zeros (each launch leaves them 0)
-        if max_rows or weight_only_rows:
+        if max_rows:
             self.counters = torch.zeros(4096, dtype=torch.int32, device=device)
 
     def __getattr__(self, name):  # qk_norm_rope, add_rms_norm, ...: the base's own
@@ -165,27 +154,11 @@ class Fp8Ops:
         data, scale, total = add_rms_norm_fp8(x, residual, weight, eps)
         return QuantizedRows(data, scale), total
 
-    def _weight_only(self, layer: Fp8Linear, x: torch.Tensor, gated: bool) -> torch.Tensor:
-        from kernels.skinny_gemm import skinny_gemm, skinny_tiles
-
-        tiles = skinny_tiles(x.shape[0], *layer.weight.shape, self.tma)
-        return skinny_gemm(
-            x, layer.weight, self.counters, gated=gated, tma=self.tma,
-            weight_scale=layer.weight_scale, out_dtype=self.dtype, **tiles,
-        )  # fmt: skip
-
     def linear(self, layer: Fp8Linear, x) -> torch.Tensor:
-        if isinstance(x, QuantizedRows):
-            return self._matmul(x, layer)
-        if x.shape[0] <= self.weight_only_rows:
-            return self._weight_only(layer, x, gated=False)
-        return self._matmul(self._quantize(x), layer)
+        return self._matmul(x if isinstance(x, QuantizedRows) else self._quantize(x), layer)
 
     def gated_linear(self, layer: Fp8Linear, gate_up: torch.Tensor) -> torch.Tensor:
-        """The MLP's down projection of silu(gate) * up: SiLU and quantization in one kernel
-        (or, in steps of up to `weight_only_rows` tokens, SiLU folded into the GEMM's loads)."""
-        if gate_up.shape[0] <= self.weight_only_rows:
-            return self._weight_only(layer, gate_up, gated=True)
+        """The MLP's down projection of silu(gate) * up: SiLU and quantization in one kernel."""
         return self._matmul(self._quantize(gate_up, gated=True), layer)
 
 
@@ -228,7 +201,5 @@ def quantize_model(model: nn.Module, plan) -> None:
     return_cached_memory(device)
     fused = device.type == "cuda" and model.fused_ops
     rows, tma = plan.few_row_fp8_rows, plan.few_row_gemm_tma
-    model.ops = Fp8Ops(
-        model.ops, fused, dtype, device, max_rows=rows, tma=tma, pow2_rows=plan.fp8_pow2_rows,
-        weight_only_rows=plan.fp8_weight_only_rows if fused else 0,
-    )  # fmt: skip
+    pow2 = plan.fp8_pow2_rows
+    model.ops = Fp8Ops(model.ops, fused, dtype, device, max_rows=rows, tma=tma, pow2_rows=pow2)

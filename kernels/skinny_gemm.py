@@ -52,7 +52,7 @@ def _skinny_gemm_kernel(
     x_ptr, up_ptr, w_ptr, ws_ptr, xs_ptr, out_ptr, part_ptr, count_ptr, M, N, K, stride_xm,
     stride_wn, stride_om, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     SPLIT: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, GATED: tl.constexpr,
-    TMA: tl.constexpr, FP8: tl.constexpr, W8: tl.constexpr, PDL: tl.constexpr,
+    TMA: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     # Grid (N / BN, SPLIT). The tile is transposed (acc[n, m] = W[n, :] . x[m, :]) so that the
     # weight's rows are the tensor-core tile's tall side and the few x rows its narrow one.
@@ -61,9 +61,7 @@ def _skinny_gemm_kernel(
     # and columns past the ends read as zeros. FP8: w and x are float8 with fp32 scales per
     # weight row (ws_ptr) and per x row (xs_ptr): the tensor cores' fp8 dot with fp32 sums
     # (widened to fp32 products where the output is fp32: the CPU interpreter), both scales
-    # applied to the sums, the arithmetic of torch._scaled_mm with row-wise scales. W8: only w
-    # is float8 (scales per weight row), widened to x's dtype in registers before each dot:
-    # x needs no quantization launch of its own, and may be GATED.
+    # applied to the sums, the arithmetic of torch._scaled_mm with row-wise scales.
     tile, split = tl.program_id(0), tl.program_id(1)
     n = tile * BN + tl.arange(0, BN)
     m = tl.arange(0, BM)
@@ -84,8 +82,6 @@ def _skinny_gemm_kernel(
                 x = _silu_mul(x, up_ptr.load([0, k0]))
             if FP8 and IEEE:
                 w, x = w.to(tl.float32), x.to(tl.float32)
-            if W8:
-                w = w.to(x.dtype)
             acc = _dot(w, tl.trans(x), acc, IEEE)
     else:
         for k0 in range(lo, hi, BK):
@@ -97,14 +93,10 @@ def _skinny_gemm_kernel(
             x = _x_tile(x_cols, k, m_ok, hi, K, GATED, not EVEN_K)
             if FP8 and IEEE:
                 w, x = w.to(tl.float32), x.to(tl.float32)
-            if W8:
-                w = w.to(x.dtype)
             acc = _dot(w, x, acc, IEEE)
     if FP8:
         w_scale = tl.load(ws_ptr + n, mask=n_ok, other=0.0)
         acc *= w_scale[:, None] * tl.load(xs_ptr + m, mask=m_ok, other=0.0)[None, :]
-    elif W8:
-        acc *= tl.load(ws_ptr + n, mask=n_ok, other=0.0)[:, None]
     out_at = out_ptr + m[None, :] * stride_om + n[:, None]
     out_ok = n_ok[:, None] & m_ok[None, :]
     if SPLIT == 1:
@@ -182,24 +174,18 @@ def skinny_gemm(
     `weight_scale`, `x_scale`: fp32, one per output row of `weight` and one per row of `x`,
     for float8 operands (W ~ weight * weight_scale, rows ~ x * x_scale): half the weight
     bytes streamed; the output in `out_dtype` (bf16 on a GPU; fp32 widens the operands and
-    multiplies in fp32, for the CPU interpreter, whose bf16 and fp8 products are wrong).
-    A float8 weight with `weight_scale` and an x that is not float8 (no `x_scale`; `gated`
-    allowed): the weight widened to x's dtype in the kernel, x multiplied as it is."""
+    multiplies in fp32, for the CPU interpreter, whose bf16 and fp8 products are wrong)."""
     m, k = x.shape[0], weight.shape[1]
     n = weight.shape[0]
     if x.shape[1] != (2 * k if gated else k) or weight.stride(1) != 1 or x.stride(1) != 1:
         raise ValueError(f"x [M, K], weight [N, K], K contiguous: got {x.shape}, {weight.shape}")
     if m > 64:
         raise ValueError(f"skinny_gemm takes at most 64 rows, got {m}")
-    w8, x8 = weight.dtype == torch.float8_e4m3fn, x.dtype == torch.float8_e4m3fn
-    scaled = weight_scale is not None
-    fp8 = w8 and x8 and scaled and x_scale is not None and not gated
-    weight_only = w8 and not x8 and scaled and x_scale is None
-    if (w8 or x8) and not (fp8 or weight_only):
-        raise ValueError(
-            "float8 operands: both, with weight_scale and x_scale, not gated; or a float8 "
-            "weight alone, with weight_scale only"
-        )
+    fp8 = weight.dtype == torch.float8_e4m3fn
+    if fp8 != (x.dtype == torch.float8_e4m3fn) or (
+        fp8 and (weight_scale is None or x_scale is None or gated)
+    ):
+        raise ValueError("float8 operands: both, with weight_scale and x_scale, not gated")
     block_m = block_m or max(16, triton.next_power_of_2(m))
     tiles = triton.cdiv(n, block_n)
     if split > 1 and (counters.dtype != torch.int32 or counters.numel() < tiles):
@@ -222,7 +208,7 @@ def skinny_gemm(
         x_arg,
         up_arg,
         w_arg,
-        weight_scale if w8 else out,
+        weight_scale if fp8 else out,
         x_scale if fp8 else out,
         out,
         parts,
@@ -242,7 +228,6 @@ def skinny_gemm(
         GATED=gated,
         TMA=tma,
         FP8=fp8,
-        W8=weight_only,
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl_launch(),

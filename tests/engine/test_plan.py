@@ -81,14 +81,3 @@ def test_fp8_row_padding_is_a_cuda_setting(tiny_ckpt):
     assert plan.fp8_pow2_rows is False
     with pytest.raises(ConfigError, match="fp8_pow2_rows is a setting of the CUDA fp8 matmul"):
         EngineConfig(plan_overrides={"fp8_pow2_rows": True})
-
-
-def test_fp8_weight_only_rows_is_a_gpu_setting_of_at_most_64_rows(tiny_ckpt):
-    """Off unless asked for; the few-row GEMM takes at most 64 rows, and it is a Triton
-    kernel: refused on the CPU and out of range."""
-    _, model_config = read_config(tiny_ckpt)
-    assert resolve(EngineConfig(quantization="fp8"), model_config, CPU).fp8_weight_only_rows == 0
-    with pytest.raises(ConfigError, match="fp8_weight_only_rows needs fused_ops on a CUDA"):
-        EngineConfig(quantization="fp8", plan_overrides={"fp8_weight_only_rows": 16})
-    with pytest.raises(ConfigError, match="must be in 0..64"):
-        EngineConfig(device="cuda", plan_overrides={"fp8_weight_only_rows": 65})

@@ -65,16 +65,13 @@ def test_config_checks_the_setting():
     EngineConfig(device="cuda", quantization="fp8")  # auto: bf16 on CUDA
 
 
-def _fake_quant_reference(ckpt, device: str = "cpu", weight_only=()) -> ReferenceModel:
+def _fake_quant_reference(ckpt, device: str = "cpu") -> ReferenceModel:
     """transformers' model with every decoder projection's weight replaced by its fp8
-    dequantization and each input (but those of the projections named in `weight_only`)
-    quantized per token by a hook: what the engine computes, reached without the engine's
-    fused weights, ops or kernels."""
+    dequantization and each input quantized per token by a hook: what the engine computes,
+    reached without the engine's fused weights, ops or kernels."""
     reference = ReferenceModel(ckpt, device=device)
 
     def quantize_input(module, args):
-        if module.weight_only:
-            return None
         rows = quantize_rows(args[0].reshape(-1, args[0].shape[-1]))
         return ((rows.data.float() * rows.scale).reshape(args[0].shape).to(args[0].dtype),)
 
@@ -84,7 +81,6 @@ def _fake_quant_reference(ckpt, device: str = "cpu", weight_only=()) -> Referenc
         if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in names:
             q, scale = quantize_weight(module.weight.data)
             module.weight.data = q.float() * scale.t()
-            module.weight_only = name.rsplit(".", 1)[-1] in weight_only
             module.register_forward_pre_hook(quantize_input)
             count += 1
     assert count == 7 * len(reference.model.layers)
@@ -134,14 +130,12 @@ def test_fp8_rows_do_not_depend_on_how_prompts_are_split(tiny_ckpt):
     assert rows[0] == rows[1]
 
 
-@pytest.mark.parametrize("max_rows, weight_only_rows", [(0, 0), (16, 0), (16, 64)])
-def test_the_gpu_paths_in_the_triton_interpreter(tiny_ckpt, max_rows, weight_only_rows):
+@pytest.mark.parametrize("max_rows", [0, 16])
+def test_the_gpu_paths_in_the_triton_interpreter(tiny_ckpt, max_rows):
     """The ops a GPU runs, on the CPU: quantization in the norm and SiLU kernels (max_rows 0:
     every step), the float8 weight in the few-row GEMM (16: steps of up to 16 tokens), the
     Triton attention; fp32, since the interpreter's bf16 products are wrong. The matmul is the
-    CPU's dequantized one. Against the same hooked reference as the torch path; with
-    `weight_only_rows` 64 (every step here), o and down multiply unquantized inputs in the
-    GEMM, and the reference leaves those two inputs as they are."""
+    CPU's dequantized one. Against the same hooked reference as the torch path."""
     import os
 
     from engine.model import TorchOps
@@ -158,13 +152,10 @@ def test_the_gpu_paths_in_the_triton_interpreter(tiny_ckpt, max_rows, weight_onl
     )
     engine = Engine.from_pretrained(tiny_ckpt, cfg)
     cpu = torch.device("cpu")
-    engine.model.ops = Fp8Ops(
-        TorchOps, True, torch.float32, cpu, max_rows=max_rows, weight_only_rows=weight_only_rows
-    )
+    engine.model.ops = Fp8Ops(TorchOps, True, torch.float32, cpu, max_rows=max_rows)
     recorder = HiddenRecorder(engine)
     prompts, rows = run(engine, _requests())
-    weight_only = ("o_proj", "down_proj") if weight_only_rows else ()
-    reference = _fake_quant_reference(tiny_ckpt, weight_only=weight_only)
+    reference = _fake_quant_reference(tiny_ckpt)
     _, _, checked = check_all_chunks(engine, recorder, reference, prompts, rows, tol=5e-3)
     sizes = [sum(n for _, _, n in chunks) for chunks, _ in recorder.steps]
     assert checked > 10 and min(sizes) <= 16 < max(sizes)

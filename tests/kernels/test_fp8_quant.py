@@ -103,25 +103,6 @@ def test_skinny_gemm_over_float8_operands(loads, m, n, k, split):
         skinny_gemm(x8.float(), w8, counters, **scales, **knobs)
 
 
-@pytest.mark.parametrize("loads", [{}, {"tma": True}])
-@pytest.mark.parametrize("gated", [False, True])
-@pytest.mark.parametrize("m, n, k, split", [(1, 48, 64, 1), (5, 64, 80, 3), (16, 32, 128, 2)])
-def test_skinny_gemm_over_a_float8_weight_alone(loads, gated, m, n, k, split):
-    """A float8 weight and rows that are not float8 (no x_scale; plain, or [gate | up] with
-    SiLU in the loads): the weight widened in the GEMM, its scale applied to the sums, the rows
-    taken as they are: F.linear over the dequantized weight."""
-    w8, w_scale = _fp8_weight(n, k, seed=m + 7)
-    x = torch.randn(m, 2 * k if gated else k, device=DEVICE)
-    counters = torch.zeros(8, dtype=torch.int32, device=DEVICE)
-    knobs = dict(block_n=16, block_k=32, split=split, num_stages=2, **loads)
-    out = skinny_gemm(x, w8, counters, gated=gated, weight_scale=w_scale, **knobs)
-    rows = F.silu(x[:, :k]) * x[:, k:] if gated else x
-    torch.testing.assert_close(out, F.linear(rows, w8.float() * w_scale.t()), rtol=1e-5, atol=1e-5)
-    assert int(counters.abs().sum()) == 0
-    with pytest.raises(ValueError, match="float8 weight alone"):
-        skinny_gemm(x, w8, counters, gated=gated, **knobs)  # no weight scale
-
-
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 @pytest.mark.parametrize("m", [1, 16, 64])
@@ -158,33 +139,3 @@ def test_scaled_mm_rowwise_matches_the_dequantized_product(m, n, k, pow2_rows):
     ref = F.linear(rows.data.float() * rows.scale, layer.dequantized(torch.float32))
     err = float((out.float() - ref).norm() / ref.norm())
     assert out.dtype == torch.bfloat16 and out.shape == (m, n) and err < 1e-2, err
-
-
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
-@pytest.mark.parametrize("m", [1, 16, 64])
-@pytest.mark.parametrize("projection", ["o", "down"])
-@pytest.mark.parametrize("tma", [False, True])
-def test_skinny_float8_weight_alone_higgs_shapes_in_bf16(m, projection, tma):
-    """The o projection's bf16 input and the down projection's [gate | up] against the
-    dequantized weight in fp32: bf16 rounding of the activation and the output only."""
-    from kernels.norm_rope import silu_mul
-    from kernels.skinny_gemm import skinny_tiles
-
-    n, k = (2560, 4096) if projection == "o" else (2560, 9728)
-    gated = projection == "down"
-    w8, w_scale = _fp8_weight(n, k, seed=2)
-    x = torch.randn(m, 2 * k if gated else k, device="cuda").bfloat16()
-    counters = torch.zeros(4096, dtype=torch.int32, device="cuda")
-    tiles = skinny_tiles(m, n, k, tma)
-    scales = dict(weight_scale=w_scale, out_dtype=torch.bfloat16)
-    out = skinny_gemm(x, w8, counters, gated=gated, tma=tma, **scales, **tiles)
-    rows = silu_mul(x) if gated else x
-    ref = F.linear(rows.float(), w8.float() * w_scale.t())
-    err = float((out.float() - ref).norm() / ref.norm())
-    assert out.dtype == torch.bfloat16 and err < 1e-2, err
-    for _ in range(3):  # the same bits whichever split finishes last
-        assert torch.equal(
-            skinny_gemm(x, w8, counters, gated=gated, tma=tma, **scales, **tiles), out
-        )
-    assert int(counters.abs().sum()) == 0
