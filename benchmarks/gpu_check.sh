@@ -43,8 +43,10 @@ set -uo pipefail
 export PYTHONPATH=$PWD:$PWD/clients/python PYTHONUNBUFFERED=1
 # Packages the GPU image lacks travel as wheels in .whl (see .library device README). Fill it
 # with `pip download --no-deps --only-binary=:all: --python-version 3.12 --platform
-# manylinux_2_28_x86_64 --platform any`: soundfile's manylinux wheel bundles libsndfile,
-# which the image lacks; numpy and typing_extensions stay out (the image's own are used).
+# manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform any anyio cffi click h11
+# idna py-spy pycparser python-multipart starlette uvicorn websockets soundfile` (py-spy and
+# cffi ship manylinux2014 wheels only): soundfile's manylinux wheel bundles libsndfile, which
+# the image lacks; numpy and typing_extensions stay out (the image's own are used).
 if [ -d .whl ]; then
   python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null && export PYTHONPATH=/tmp/site:$PWD:$PWD/clients/python
 fi

@@ -31,10 +31,10 @@ torch.set_num_threads(1)
 
 @pytest.fixture(autouse=True)
 def _return_gpu_memory():
-    """After each test that touched a GPU: engines left in reference cycles (a runner and its
-    graphs' closures) collected and their cached blocks returned. Without it, the full-size
-    engines of one test (about 30 GB each) were still held when the next loaded its model,
-    and on an 80 GB H100 the rest of `tests/engine -m cuda` ran out of memory."""
+    """After each test that touched a GPU: what it left in reference cycles collected and the
+    cached blocks returned, so no test inherits another's memory (the one place that does
+    it). Added when, on an 80 GB H100, every test after the full-size bucket test (two
+    engines of about 30 GB) ran out of memory; not yet re-run on a GPU since."""
     yield
     if torch.cuda.is_initialized():
         import gc
