@@ -88,12 +88,15 @@ def settle_garbage_collector() -> None:
 
 class _StatsSender:
     """Step statistics and observations to the server: batched while busy, at once when the
-    engine goes idle or when they changed without a step (an abort, a voice encode)."""
+    engine goes idle or when they changed without a step (an abort, a voice encode). Steps
+    always travel with the statistics taken right after the last of them: its running totals
+    (the phases of step time, the rows) then cover exactly the steps reported so far."""
 
     def __init__(self, events, engine: Engine):
         self.events, self.engine = events, engine
         self.lock = threading.Lock()
         self.observed = Observations()
+        self.observed_stats: EngineStats | None = None  # taken after the last step observed
         self.last_sent = 0.0
         self.last_stats: EngineStats | None = None
 
@@ -101,21 +104,29 @@ class _StatsSender:
         observed = self.engine.take_observations()
         with self.lock:
             self.observed.extend(observed)
+            self.observed_stats = stats
             now = time.monotonic()
             idle = not (stats.num_running or stats.num_waiting)
             if idle or now - self.last_sent >= STATS_INTERVAL_S:
-                self.events.put(Steps(self.observed, stats))
-                self.observed, self.last_sent, self.last_stats = Observations(), now, stats
+                self._send_steps(now)
 
     def refresh(self) -> None:  # the command loop, when no command came for a while
+        # Read from this thread while the engine may be mid-step: good for the gauges, but
+        # its totals may count part of a step whose time is not observed yet, so it never
+        # goes with steps.
         stats = self.engine.stats
         with self.lock:
+            now = time.monotonic()
             if self.observed:  # steps not sent yet (the last ones came within the interval)
-                self.events.put(Steps(self.observed, stats))
-                self.observed = Observations()
-            elif stats != self.last_stats:
+                self._send_steps(now)
+            if stats != self.last_stats:
                 self.events.put(Stats(stats))
-            self.last_sent, self.last_stats = time.monotonic(), stats
+                self.last_stats = stats
+            self.last_sent = now
+
+    def _send_steps(self, now: float) -> None:
+        self.events.put(Steps(self.observed, self.observed_stats))
+        self.observed, self.last_sent, self.last_stats = Observations(), now, self.observed_stats
 
 
 class EngineHost:

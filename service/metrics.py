@@ -302,6 +302,10 @@ class Metrics:
                 self.capture_memory.labels(family, kind)
         self._engines: dict[int, EngineMetrics] = {}
         self._engines_lock = threading.Lock()
+        # A report of steps moves several series at once (step times, rows, phases): a scrape
+        # sees all of it or none, or a dashboard's phase split of the step time (and the
+        # served benchmark's window) could add up to more than the step time itself.
+        self.report_lock = threading.Lock()
 
     def key_refused(self, name: str, limit: str) -> None:
         self.key_rate_limited.labels(name, limit).inc()
@@ -330,7 +334,8 @@ class Metrics:
             return self._engines[index]
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        with self.report_lock:
+            return generate_latest(self.registry)
 
 
 class EngineMetrics:
@@ -358,22 +363,24 @@ class EngineMetrics:
             total.reset()
 
     def observe_steps(self, observed, stats) -> None:
-        """A report of engine steps (the reader thread of this engine's events only)."""
+        """A report of engine steps (the reader thread of this engine's events only), seen by
+        a scrape as one change (`Metrics.report_lock`)."""
         m = self.m
-        for seconds, shape in observed.steps:
-            self.step[shape.kind].observe(seconds)
-            if shape.requests:
-                m.batch.observe(shape.requests)
-                m.step_tokens.observe(shape.tokens)
-        for seconds in observed.queue_seconds:
-            m.queue.observe(seconds)
-        for seconds, windows in observed.codec_batches:
-            m.codec_batch.observe(seconds)
-            m.codec_windows.inc(windows)
-        self.totals["rows"].update(stats.num_rows_generated)
-        for child, total in zip(self.phases, stats.phase_seconds_total, strict=True):
-            child.update(total)
-        self.update(stats)
+        with m.report_lock:
+            for seconds, shape in observed.steps:
+                self.step[shape.kind].observe(seconds)
+                if shape.requests:
+                    m.batch.observe(shape.requests)
+                    m.step_tokens.observe(shape.tokens)
+            for seconds in observed.queue_seconds:
+                m.queue.observe(seconds)
+            for seconds, windows in observed.codec_batches:
+                m.codec_batch.observe(seconds)
+                m.codec_windows.inc(windows)
+            self.totals["rows"].update(stats.num_rows_generated)
+            for child, total in zip(self.phases, stats.phase_seconds_total, strict=True):
+                child.update(total)
+            self.update(stats)
 
     def update(self, stats) -> None:
         """The engine's state (gauges) and its running totals. Called from the events reader

@@ -65,7 +65,9 @@ def test_simulated_server_runs_the_same_protocol(tmp_path, model_cache):
     phases = start["window_phase_ms"]
     assert list(phases) == ["schedule", "launch", "audio", "gpu_wait", "rows"]
     assert phases["gpu_wait"] > 10  # the simulated GPU work is waited for there
-    assert sum(phases.values()) <= start["window_step_ms"] * 1.01
+    # the phases split the time inside step(), and a scrape sees each report of steps whole
+    # (their times with the totals taken after the last of them): no edge effect here
+    assert sum(phases.values()) <= start["window_step_ms"] + 1e-6
 
 
 def test_benchmark_config_overrides_parse_and_refuse_bad_items():

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine import ConfigError, ReferenceAudioError, SamplingParams
+from engine import STEP_PHASES, ConfigError, EngineStats, ReferenceAudioError, SamplingParams
 from service.engine_channel import PortableError
 from service.engine_client import EngineClient
 from service.engine_host import EngineSpec
@@ -462,3 +462,80 @@ def test_a_reader_whose_queue_is_closed_under_it_ends_and_fails_what_waits(monke
     client._reader.join(timeout=5)
     assert not client._reader.is_alive() and escaped == []
     assert len(got) == 1 and isinstance(got[0], EngineExited)
+
+
+def _stats(step_seconds: float, rows: int = 0) -> EngineStats:
+    """Statistics whose phase totals add up to `step_seconds` (all of it waiting on the GPU)."""
+    phases = tuple(step_seconds if p == "gpu_wait" else 0.0 for p in STEP_PHASES)
+    return EngineStats(1, 0, 10, 10, 0, 0, 0, num_rows_generated=rows, phase_seconds_total=phases)
+
+
+def test_steps_travel_with_the_statistics_taken_after_the_last_of_them():
+    """A refresh from the command loop reads the engine mid-step: those totals already count
+    part of a step whose time is not observed yet, so the waiting steps go with the
+    statistics of their own last step, and the fresher ones follow alone (for the gauges)."""
+    from engine.stats import Observations, StepShape
+    from service.engine_channel import Stats, Steps
+    from service.engine_host import _StatsSender
+
+    class Events(list):
+        put = list.append
+
+    class Engine:  # mid-step: 0.03 s into its phases, one step of 0.02 s observed
+        stats = _stats(0.05, rows=3)
+
+        def take_observations(self):
+            return Observations(steps=[(0.02, StepShape("decode", 1, 1))])
+
+    events = Events()
+    sender = _StatsSender(events, Engine())
+    sender.last_sent = time.monotonic()  # within the batching interval: on_step holds it
+    sender.on_step(0.02, _stats(0.02, rows=1))
+    assert events == []
+    sender.refresh()
+    [steps, fresh] = events
+    assert isinstance(steps, Steps) and isinstance(fresh, Stats)
+    assert steps.observed.steps == [(0.02, StepShape("decode", 1, 1))]
+    assert steps.stats == _stats(0.02, rows=1) and fresh.stats == Engine.stats
+    sender.refresh()  # nothing new: nothing sent
+    assert len(events) == 2
+
+
+def test_a_scrape_sees_a_report_of_steps_whole():
+    """A scrape taken while a report of steps is being counted sees all of it or none: the
+    phases of step time never add up to more than the step time scraped with them."""
+    from engine.stats import Observations, StepShape
+    from service.metrics import Metrics
+
+    metrics = Metrics()
+    series = metrics.engine(0)
+    reports = 500
+    done = threading.Event()
+
+    def report():
+        for n in range(1, reports + 1):
+            observed = Observations(steps=[(0.02, StepShape("decode", 1, 1))])
+            series.observe_steps(observed, _stats(0.02 * n, rows=n))
+        done.set()
+
+    def check() -> dict[str, float]:
+        samples = {}
+        for line in metrics.render().decode().splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                samples[name] = float(value)
+        steps = summed(samples, "clonecast_engine_step_seconds_sum")
+        phases = summed(samples, "clonecast_engine_phase_seconds_total")
+        rows = samples["clonecast_engine_rows_total"]
+        assert phases <= steps + 1e-9 and rows == round(steps / 0.02)
+        return samples
+
+    thread = threading.Thread(target=report)
+    thread.start()
+    scrapes = 0
+    while not done.is_set():
+        check()
+        scrapes += 1
+    thread.join()
+    assert scrapes > 1
+    assert summed(check(), "clonecast_engine_step_seconds_count") == reports
