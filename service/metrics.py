@@ -93,6 +93,16 @@ class _Total:
             self.seen = 0
 
 
+class _Collected:
+    """Metric families collected at one moment, as the collector `generate_latest` reads."""
+
+    def __init__(self, families: list) -> None:
+        self.families = families
+
+    def collect(self) -> list:
+        return self.families
+
+
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
@@ -334,8 +344,11 @@ class Metrics:
             return self._engines[index]
 
     def render(self) -> bytes:
+        # Only the collection holds the lock (about a third of a render): the events reader
+        # that reports steps also hands out audio, and waits for it.
         with self.report_lock:
-            return generate_latest(self.registry)
+            collected = _Collected(list(self.registry.collect()))
+        return generate_latest(collected)
 
 
 class EngineMetrics:

@@ -509,7 +509,7 @@ def test_a_scrape_sees_a_report_of_steps_whole():
 
     metrics = Metrics()
     series = metrics.engine(0)
-    reports = 500
+    reports = 20_000
     done = threading.Event()
 
     def report():
