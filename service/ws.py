@@ -22,7 +22,7 @@ from clonecast_client.wire import (
 )
 from engine import FRAME_MS, SAMPLE_RATE, AudioLimits, StreamConfig
 from service.auth import OPEN, Caller, caller_for, extract_key, origin_allowed
-from service.message_rate import TokenBucket
+from service.message_rate import CLOSE, MessageRate
 from service.protocol import as_object
 from service.session import Session
 from service.tokens import TokenError
@@ -100,8 +100,7 @@ async def _receive_loop(ws: WebSocket, session: Session, sender: asyncio.Task) -
     """Serves the connection until it ends; returns why (a CLOSE_REASONS of the metrics)."""
     limits = session.limits
     idle = limits.idle_timeout_s
-    rate = TokenBucket(limits.max_messages_per_s, limits.message_burst)
-    refused = 0  # messages refused since the last one served
+    rate = MessageRate(limits.max_messages_per_s, limits.message_burst)
     receive = None
     while True:
         receive = receive or asyncio.ensure_future(ws.receive())  # kept across idle checks
@@ -121,14 +120,12 @@ async def _receive_loop(ws: WebSocket, session: Session, sender: asyncio.Task) -
         if message["type"] == "websocket.disconnect":
             return _close_reason(message.get("code"), message.get("reason"))
         wait = rate.take()
+        if wait == CLOSE:  # it went on at full speed after being told
+            await ws.close(CLOSE_POLICY, "rate_limited: too many messages")
+            return "rate_limited"
         if wait:
-            refused += 1
-            if refused > limits.message_burst:  # it went on at full speed after being told
-                await ws.close(CLOSE_POLICY, "rate_limited: too many messages")
-                return "rate_limited"
             _refuse_message(session, message, wait)
             continue
-        refused = 0
         if message.get("text") is not None:
             await session.on_text(message["text"])
         elif message.get("bytes") is not None:

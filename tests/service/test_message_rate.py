@@ -1,12 +1,13 @@
-"""The token bucket of the per-connection message and ping limits, on an injected clock; and
-the settings that configure it and the HTTP deadlines."""
+"""The token bucket of the per-connection message and ping limits and the message rate built
+on it (when a flood is closed), on an injected clock; and the settings that configure them
+and the HTTP deadlines."""
 
 from __future__ import annotations
 
 import pytest
 
 from service.config import Limits, ServiceSettings
-from service.message_rate import TokenBucket
+from service.message_rate import CLOSE, MessageRate, TokenBucket
 
 
 class Clock:
@@ -35,6 +36,48 @@ def test_an_idle_bucket_refills_to_its_burst_and_no_further():
     bucket.take(), bucket.take()
     clock.now += 3600
     assert [bucket.take() for _ in range(3)] == [0.0, 0.0, pytest.approx(0.1)]
+
+
+def _flood(rate: MessageRate, clock: Clock, gap_s: float, messages: int) -> list[float]:
+    """What `rate.take` says to `messages` sent `gap_s` apart, up to the close if any."""
+    said = []
+    for _ in range(messages):
+        said.append(rate.take())
+        if said[-1] == CLOSE:
+            break
+        clock.now += gap_s
+    return said
+
+
+def test_a_flood_is_closed_even_when_tokens_refill_between_its_refusals():
+    """Four messages a token (a message every 5 ms at 50 a second): after the burst every
+    fourth is served, never more than 3 refused in a row, yet the client ignores every
+    refusal. Its refusals outrun their own bucket (150 a second against 50 forgiven)."""
+    clock = Clock()
+    said = _flood(MessageRate(rate_per_s=50.0, burst=3, clock=clock), clock, 0.005, 400)
+    assert said[-1] == CLOSE and len(said) < 50
+    assert said[:3] == [0.0] * 3 and 0.0 in said[4:-1]  # served between refusals
+    in_a_row = max(len(run) for run in "".join("x" if w else "." for w in said[:-1]).split("."))
+    assert in_a_row <= 3  # the burst: refusals in a row alone would never close it
+
+
+def test_a_client_that_slows_down_when_told_is_never_closed():
+    """A burst as fast as it can, then, refused, it waits what it was told and sends at the
+    rate: served for ever. A client a little over the rate (its refusals under the rate that
+    forgives them) is refused now and then and stays too."""
+    clock = Clock()
+    rate = MessageRate(rate_per_s=50.0, burst=3, clock=clock)
+    gap = 0.001
+    for _ in range(1000):
+        wait = rate.take()
+        assert wait != CLOSE
+        if wait:
+            clock.now, gap = clock.now + wait, 1 / 50
+        else:
+            clock.now += gap
+    clock = Clock()
+    said = _flood(MessageRate(rate_per_s=50.0, burst=3, clock=clock), clock, 0.012, 2000)
+    assert CLOSE not in said and 0.0 < said.count(0.0) / len(said) < 1.0
 
 
 def test_the_limits_are_read_from_the_environment_and_validated(monkeypatch):

@@ -208,8 +208,9 @@ test("the server's transient refusals are retryable; a bad request is not", () =
 test("a client that floods the socket is closed with 1008, named rate_limited (retryable)", async () => {
   const client = await connect({ url: URL_ });
   const closed = new Promise((resolve) => client.addEventListener("close", (e) => resolve(e.error)));
-  // the default bucket: a burst of 100, then 100 refused in a row close the connection; the
-  // refused pings reject with the server's rate_limited, those unanswered with the close's
+  // the default buckets: a burst of 100 served, then 100 refused, then the connection is
+  // closed; the refused pings reject with the server's rate_limited, the unanswered with the
+  // close's
   const pings = Array.from({ length: 400 }, () => client.ping().catch((e) => e));
   const error = await closed;
   assert.equal(error.code, "rate_limited");
