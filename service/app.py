@@ -88,7 +88,7 @@ class Services:
             self, _devices(settings), self._engine_config, self._engine_spec, engine
         )
         self.loaded = False  # was ready once (voices and models answer from then on)
-        self.progress = "starting"  # what loading is doing (/ready while not ready)
+        self._progress = "starting"  # what loading is doing (/ready while not ready)
         # why the server cannot serve: loading failed or the engine kept failing (it exits)
         self.load_error: str | None = None
         self.on_load_failed = None  # called once, with load_error set (the CLI stops the server)
@@ -126,6 +126,22 @@ class Services:
             and self.load_error is None
             and self.engines.num_ready > 0
         )
+
+    @property
+    def progress(self) -> str:
+        """What the server is doing, for /ready and /health while it is not ready. Between an
+        engine's death and its supervisor's first word (up to half a second: the client
+        notices at its next poll of the engine's events) the last word is still "ready"."""
+        stale = self._progress == "ready" and self.loaded and self.load_error is None
+        if stale and not self.draining and not self.is_ready:
+            if self.engines.restarts_enabled:
+                return "restarting the engine (it has just exited)"
+            return "the engine has just exited; restarts are off (CLONECAST_ENGINE_RESTARTS=0)"
+        return self._progress
+
+    @progress.setter
+    def progress(self, text: str) -> None:
+        self._progress = text
 
     def give_up(self, reason: str) -> None:
         """The server cannot serve any more: say why once and stop (the CLI exits 1)."""

@@ -106,9 +106,14 @@ def test_kill_9_mid_stream_fails_only_what_was_in_flight_and_the_engine_comes_ba
         os.kill(old_pid, signal.SIGKILL)
         for _, killed in events:
             killed.set()
-        # while the new engine loads, /ready says so and new work is refused, not lost
-        await asyncio.sleep(0.5)
-        ready = await asyncio.to_thread(httpx.get, server.http + "/ready", timeout=10)
+        # while the new engine loads, /ready says so and new work is refused, not lost (the
+        # server notices the death within 0.5 s of the engine's last event: asked until then)
+        deadline = time.monotonic() + 30
+        while True:
+            ready = await asyncio.to_thread(httpx.get, server.http + "/ready", timeout=10)
+            if ready.status_code != 200 or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.05)
         health = await asyncio.to_thread(httpx.get, server.http + "/health", timeout=10)
         return await asyncio.gather(*tasks), ready, health
 

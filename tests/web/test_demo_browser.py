@@ -181,6 +181,8 @@ def test_a_voice_recorded_with_the_microphone_is_cloned(page):
     AudioWorklet, sent as a WAV the server decodes, and the clone speaks."""
     page.select_option("#voice-source", "mic")
     page.click("#record")
+    # recording starts once the microphone and the worklet are up: time it from there
+    page.wait_for_selector("#record[aria-pressed=true]")
     page.wait_for_timeout(2500)
     page.click("#record")
     page.wait_for_function("window.__clonecast.recordedSeconds > 0")
