@@ -130,8 +130,8 @@ class Services:
     @property
     def progress(self) -> str:
         """What the server is doing, for /ready and /health while it is not ready. Between an
-        engine's death and its supervisor's first word (up to half a second: the client
-        notices at its next poll of the engine's events) the last word is still "ready"."""
+        engine's death and its supervisor's first word (the client notices within
+        engine_client.EXIT_POLL_S of the engine's last events) the last word is still "ready"."""
         stale = self._progress == "ready" and self.loaded and self.load_error is None
         if stale and not self.draining and not self.is_ready:
             if self.engines.restarts_enabled:

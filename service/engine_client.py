@@ -49,6 +49,9 @@ from service.engine_channel import (
 from service.engine_host import EngineSpec, process_main, thread_main
 
 log = logging.getLogger("clonecast.engine_client")
+# How soon the reader notices a dead engine once its last events are read: the streams in
+# flight fail and the restart begins that much after a crash (a wake of an idle thread).
+EXIT_POLL_S = 0.1
 
 
 class EngineExited(RuntimeError):
@@ -325,7 +328,7 @@ class EngineClient:
         events = self._transport.events  # stop() releases the transport's
         while True:
             try:
-                message = events.get(timeout=0.5)
+                message = events.get(timeout=EXIT_POLL_S)
             except queue.Empty:
                 if self._transport.is_alive():
                     continue
