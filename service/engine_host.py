@@ -113,9 +113,9 @@ class _StatsSender:
     def refresh(self) -> None:  # the command loop, when no command came for a while
         # Read from this thread while the engine may be mid-step: good for the gauges, but
         # its totals may count part of a step whose time is not observed yet, so it never
-        # goes with steps.
-        stats = self.engine.stats
+        # goes with steps. Read under the lock: never sent after a newer report of steps.
         with self.lock:
+            stats = self.engine.stats
             now = time.monotonic()
             if self.observed:  # steps not sent yet (the last ones came within the interval)
                 self._send_steps(now)

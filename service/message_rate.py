@@ -5,6 +5,7 @@ knows nothing of sockets."""
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 
@@ -50,3 +51,9 @@ class MessageRate:
         if wait and self.refusals.take():
             return CLOSE
         return wait
+
+
+def retry_after_s(wait: float) -> float:
+    """`wait` as the client is told it: in whole milliseconds, rounded up (never 0), so that a
+    client that waits what it is told finds a token."""
+    return max(1, math.ceil(wait * 1000 - 1e-6)) / 1000

@@ -22,7 +22,7 @@ from clonecast_client.wire import (
 )
 from engine import FRAME_MS, SAMPLE_RATE, AudioLimits, StreamConfig
 from service.auth import OPEN, Caller, caller_for, extract_key, origin_allowed
-from service.message_rate import CLOSE, MessageRate
+from service.message_rate import CLOSE, MessageRate, retry_after_s
 from service.protocol import as_object
 from service.session import Session
 from service.tokens import TokenError
@@ -147,7 +147,7 @@ def _refuse_message(session: Session, message: dict, wait: float) -> None:
         f"more than {limits.max_messages_per_s:g} messages a second (bursts of "
         f"{limits.message_burst}) on this connection: this one was not handled; send it again "
         "after retry_after_s",
-        retry_after_s=round(wait, 3),
+        retry_after_s=retry_after_s(wait),
         **extra,
     )
 

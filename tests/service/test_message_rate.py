@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from service.config import Limits, ServiceSettings
-from service.message_rate import CLOSE, MessageRate, TokenBucket
+from service.message_rate import CLOSE, MessageRate, TokenBucket, retry_after_s
 
 
 class Clock:
@@ -78,6 +78,16 @@ def test_a_client_that_slows_down_when_told_is_never_closed():
     clock = Clock()
     said = _flood(MessageRate(rate_per_s=50.0, burst=3, clock=clock), clock, 0.012, 2000)
     assert CLOSE not in said and 0.0 < said.count(0.0) / len(said) < 1.0
+
+
+def test_the_wait_a_client_is_told_is_never_shorter_than_the_real_one():
+    assert [retry_after_s(w) for w in (1e-9, 0.0123, 0.0125, 0.017, 5.000000000001)] == [
+        0.001,
+        0.013,
+        0.013,
+        0.017,
+        5.0,
+    ]
 
 
 def test_the_limits_are_read_from_the_environment_and_validated(monkeypatch):
