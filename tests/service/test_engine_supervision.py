@@ -107,7 +107,7 @@ def test_kill_9_mid_stream_fails_only_what_was_in_flight_and_the_engine_comes_ba
         for _, killed in events:
             killed.set()
         # while the new engine loads, /ready says so and new work is refused, not lost (the
-        # server notices the death within 0.5 s of the engine's last event: asked until then)
+        # server notices the death within engine_client.EXIT_POLL_S: asked from the kill on)
         deadline = time.monotonic() + 30
         while True:
             ready = await asyncio.to_thread(httpx.get, server.http + "/ready", timeout=10)
