@@ -141,6 +141,27 @@ MUTANTS = (
         "a client floods a connection with as many messages as it can send",
     ),
     Mutant(
+        "flood-never-closed",
+        "service/message_rate.py",
+        "if wait and self.refusals.take():",
+        "if False:",
+        (
+            "tests/service/test_message_rate.py::"
+            "test_a_flood_is_closed_even_when_tokens_refill_between_its_refusals",
+            "tests/service/test_ws_frames.py::"
+            "test_a_client_that_floods_on_after_being_told_is_closed_with_1008",
+        ),
+        "a client that ignores rate_limited keeps the server answering it for ever",
+    ),
+    Mutant(
+        "scrape-tears-step-reports",
+        "service/metrics.py",
+        "        with self.report_lock:\n            collected",
+        "        if True:\n            collected",
+        ("tests/service/test_engine_process.py::test_a_scrape_sees_a_report_of_steps_whole",),
+        "a dashboard's phases of step time add up to more than the step time",
+    ),
+    Mutant(
         "http-deadline-never-armed",
         "service/transport_guards.py",
         "        if phase != self._timer_phase:\n",
