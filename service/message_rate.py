@@ -24,8 +24,8 @@ class TokenBucket:
         now = self.clock()
         self.tokens = min(float(self.burst), self.tokens + (now - self.stamp) * self.rate_per_s)
         self.stamp = now
-        if self.tokens >= 1.0 - 1e-9:  # a sender that waited exactly what it was told is
-            self.tokens = max(0.0, self.tokens - 1.0)  # served, whatever the clock's rounding
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
             return 0.0
         return (1.0 - self.tokens) / self.rate_per_s
 

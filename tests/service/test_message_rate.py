@@ -62,9 +62,9 @@ def test_a_flood_is_closed_even_when_tokens_refill_between_its_refusals():
 
 
 def test_a_client_that_slows_down_when_told_is_never_closed():
-    """A burst as fast as it can, then, refused, it waits what it was told and sends at the
-    rate: served for ever. A client a little over the rate (its refusals under the rate that
-    forgives them) is refused now and then and stays too."""
+    """A burst as fast as it can, then, refused, it waits the retry_after_s it was told and
+    sends at the rate: served for ever. A client a little over the rate (its refusals under
+    the rate that forgives them) is refused now and then and stays too."""
     clock = Clock()
     rate = MessageRate(rate_per_s=50.0, burst=3, clock=clock)
     gap = 0.001
@@ -72,7 +72,7 @@ def test_a_client_that_slows_down_when_told_is_never_closed():
         wait = rate.take()
         assert wait != CLOSE
         if wait:
-            clock.now, gap = clock.now + wait, 1 / 50
+            clock.now, gap = clock.now + retry_after_s(wait), 1 / 50
         else:
             clock.now += gap
     clock = Clock()
@@ -80,7 +80,9 @@ def test_a_client_that_slows_down_when_told_is_never_closed():
     assert CLOSE not in said and 0.0 < said.count(0.0) / len(said) < 1.0
 
 
-def test_the_wait_a_client_is_told_is_never_shorter_than_the_real_one():
+def test_the_wait_a_client_is_told_is_rounded_up_to_whole_milliseconds():
+    """Never shorter than the real wait but for float noise (5.000000000001 s is told 5.0);
+    told to the nearest instead, a client could come back up to 0.5 ms early."""
     assert [retry_after_s(w) for w in (1e-9, 0.0123, 0.0125, 0.017, 5.000000000001)] == [
         0.001,
         0.013,
