@@ -76,8 +76,9 @@ TESTS=${PYTEST_ARGS-tests}
 if [ -n "$TESTS" ]; then
   # modules that import what the GPU image lacks (openai, psycopg...) have no CUDA tests:
   # their collection errors are reported without stopping the rest
-  timeout ${TESTS_LIMIT:-400} python3 -m pytest -q -rs -p no:cacheprovider --continue-on-collection-errors $TESTS ${TESTS_K:+-k "$TESTS_K"} -s > "$OUT/tests.log" 2>&1
-  echo "pytest exit status $?"  # (0: every selected test passed; 4/5: nothing collected)
+  # stopped at the limit with SIGINT, pytest still prints its summary and the slowest tests
+  timeout -s INT -k 20 ${TESTS_LIMIT:-400} python3 -m pytest -q -rs -p no:cacheprovider --durations=15 --continue-on-collection-errors $TESTS ${TESTS_K:+-k "$TESTS_K"} -s > "$OUT/tests.log" 2>&1
+  echo "pytest exit status $?"  # (0: every selected test passed; 124: stopped at TESTS_LIMIT, summary printed; 4/5: nothing collected)
   grep -E "passed|failed|error|worst|rel err|FAILED|Error" "$OUT/tests.log" | tail -20
 fi
 if [ "${LOOP:-0}" = 1 ]; then
