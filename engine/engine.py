@@ -92,7 +92,12 @@ class Engine:
             report = self.codec.capture_graphs(config.stream)
             self.capture_reports += [report] if report is not None else []
         self.audio_limits = AudioLimits()
-        self.audio = AudioOutput(self.codec.chunks if self.codec else None, config.stream)
+        self.audio = AudioOutput(
+            self.codec.chunks if self.codec else None,
+            config.stream,
+            self.plan.codec_defer_steps,
+            self.plan.codec_defer_batch,
+        )
         self._counters = StepCounters()
         self._observed = Observations()
         self._shape = READBACK  # what the step now running launched

@@ -67,6 +67,11 @@ class ExecutionPlan:
     # cuDNN times its convolution algorithms for each codec graph's shape at capture, instead
     # of taking its heuristic's pick (in bf16 NHWC 6-11x slower than fp32 at some batch sizes)
     codec_autotune: bool = False
+    # steady chunks may wait up to this many steps (0: none) to join a larger codec batch,
+    # which goes as soon as it holds codec_defer_batch windows (engine/audio_output.py);
+    # the audio is the same, only when its chunks are decoded moves
+    codec_defer_steps: int = 0
+    codec_defer_batch: int = 8
 
     def describe(self) -> dict:
         """JSON-ready, for the start-up log and `/ready`."""
@@ -141,6 +146,12 @@ def check_overrides(overrides: Mapping[str, object], device: str) -> None:
             o.get("codec_autotune") is True and o.get("codec_graph_max_batch") == 0,
             "codec_autotune needs codec graphs (codec_graph_max_batch > 0)",
         ),
+        (
+            not 0 <= o.get("codec_defer_steps", 0) <= 24,
+            f"codec_defer_steps must be in 0..24 (a steady chunk is 25 steps), got "
+            f"{o.get('codec_defer_steps')}",
+        ),
+        (o.get("codec_defer_batch") == 0, "codec_defer_batch must be at least 1"),
     )
     for refused, message in refusals:
         if refused:
@@ -221,6 +232,8 @@ def resolve(config, model_config, device) -> ExecutionPlan:
         codec_channels_last=o.get("codec_channels_last", cuda),
         codec_graph_max_batch=codec_batch,
         codec_autotune=o.get("codec_autotune", False),
+        codec_defer_steps=o.get("codec_defer_steps", 0),
+        codec_defer_batch=o.get("codec_defer_batch", 8),
     )
 
 

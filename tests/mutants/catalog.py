@@ -240,4 +240,28 @@ MUTANTS = (
         "an append utterance idle when its engine died fails at its next text, though the "
         "engine is back",
     ),
+    Mutant(
+        "deferred-chunk-after-its-successor",
+        "engine/audio_output.py",
+        "        return any(r.request_id in waiting for r in owners)",
+        "        return False",
+        (
+            "tests/engine/test_codec_deferral.py::"
+            "test_a_last_chunk_takes_its_waiting_chunk_ahead_of_it",
+        ),
+        "with codec batching on, a stream's last chunk can arrive before the one waiting "
+        "for a batch",
+    ),
+    Mutant(
+        "deferred-chunk-ignores-its-client",
+        "engine/audio_output.py",
+        "        if any(not self._may_wait(w, now) for w, _, _ in self.deferred):",
+        "        if False:",
+        (
+            "tests/engine/test_codec_deferral.py::"
+            "test_a_chunk_whose_client_runs_short_goes_at_once",
+        ),
+        "with codec batching on, a chunk waits for its batch while its listener runs out of "
+        "audio",
+    ),
 )
