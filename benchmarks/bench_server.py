@@ -101,6 +101,8 @@ COUNTERS = {
     "prefill": "clonecast_prefill_tokens_total",
     "prefix_hits": "clonecast_prefix_cache_hit_tokens_total",
     "queued": "clonecast_queue_time_seconds_count",
+    "codec_windows": "clonecast_codec_windows_total",
+    "codec_batches": "clonecast_codec_batch_seconds_count",
 }
 
 

@@ -360,6 +360,9 @@ def bench_server(args, eager: bool, out: Path, num_voices: int, cold: bool = Fal
                 prompts = grown["prefill"] + grown["prefix_hits"]
                 summary["prefix_hit_share"] = grown["prefix_hits"] / prompts if prompts else 0.0
                 summary["prefill_per_request"] = grown["prefill"] / max(1.0, grown["queued"])
+                # chunk windows a codec batch (what the plan's codec_defer_steps raises)
+                batches = max(1.0, grown["codec_batches"])
+                summary["codec_windows_per_batch"] = grown["codec_windows"] / batches
                 summary["voices"] = num_voices
                 summary["step_tokens"] = grown["tokens"]
                 summary["routed"] = grown["routed"]  # engine/reason -> utterances
@@ -373,7 +376,8 @@ def bench_server(args, eager: bool, out: Path, num_voices: int, cold: bool = Fal
                     + ", ".join(f"{k} {v:.2f}" for k, v in sampler.window_phase_ms.items())
                     + f"), {sampler.window_long_steps:.0f} steps over 20 ms; prefix hits "
                     f"{summary['prefix_hit_share']:.0%} of prompt positions, "
-                    f"{summary['prefill_per_request']:.0f} computed per request; /metrics "
+                    f"{summary['prefill_per_request']:.0f} computed per request; "
+                    f"{summary['codec_windows_per_batch']:.2f} windows a codec batch; /metrics "
                     f"answered in {sampler.scrape_ms[0]:.1f} ms mean, {sampler.scrape_ms[1]:.1f} "
                     f"max; client gap {summary['client_gap_ms']:.1f} ms; CPU cores busy: "
                     + ", ".join(f"{k} {v:.2f}" for k, v in cpu.items()),
@@ -406,7 +410,13 @@ def pooled(summaries: list[dict], starts) -> dict:
     rates = [s["audio_s_per_s"] for s in summaries]
     pool_["audio_s_per_s_range"] = (min(rates), max(rates))
     pool_["starts"] = len(summaries)
-    for key in ("step_ms", "prefix_hit_share", "prefill_per_request", "window_step_ms"):
+    for key in (
+        "step_ms",
+        "prefix_hit_share",
+        "prefill_per_request",
+        "window_step_ms",
+        "codec_windows_per_batch",
+    ):
         pool_[key] = statistics.fmean(s[key] for s in summaries)
     pool_["voices"] = summaries[0]["voices"]
     pool_["graph_buckets"] = summaries[0]["graph_buckets"]

@@ -257,11 +257,7 @@ MUTANTS = (
         "engine/audio_output.py",
         "        if any(not self._may_wait(w, now) for w, _, _ in self.deferred):",
         "        if False:",
-        (
-            "tests/engine/test_codec_deferral.py::"
-            "test_a_chunk_whose_client_runs_short_goes_at_once",
-        ),
-        "with codec batching on, a chunk waits for its batch while its listener runs out of "
-        "audio",
+        ("tests/engine/test_codec_deferral.py::test_a_chunk_whose_client_runs_short_goes_at_once",),
+        "with codec batching on, a chunk waits for its batch while its listener runs out of audio",
     ),
 )

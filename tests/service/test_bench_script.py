@@ -39,6 +39,8 @@ def test_serve_bench_smoke(tmp_path, model_cache):
     assert pool["audio_s_per_s"] > 0 and pool["ttfa_p50"] > 0
     assert pool["voices"] == 4 and pool["prefill_per_request"] > 75  # 3-6 s references
     assert pool["window_requests"] >= 1 and pool["underruns_per_1000"] >= 0
+    assert pool["codec_windows_per_batch"] >= 1  # every chunk of every request decoded
+    assert " windows a codec batch; " in stdout
     assert "commit " in stdout and "NOT VALID (1 starts < 3" in stdout
     # what the start-up made: capture seconds per graph family (none on the CPU) and blocks
     assert "graph capture: backbone 0.0 s, sampler 0.0 s, codec 0.0 s; KV cache: " in stdout
