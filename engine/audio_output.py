@@ -148,7 +148,9 @@ class AudioOutput:
             owners = [r for _, r, _ in self.deferred] + owners
             self.deferred = []
         if windows:
-            self.in_flight.append((self.chunks.submit(windows), owners, now))
+            pending = self.chunks.submit(windows)
+            # the batch's latency counts from its launch (on the CPU, after its decoding)
+            self.in_flight.append((pending, owners, self.clock()))
         return {r.request_id for r in owners}, failed
 
     def _may_wait(self, window: ChunkWindow, now: float) -> bool:
@@ -156,8 +158,10 @@ class AudioOutput:
         less the larger it is (on the H200, fp32: 0.72 ms for one 33-frame window, 1.32 ms
         for four, 2.21 ms for eight), and a steady chunk is due only when the audio before
         it has played: at 64 streams a second of audio is made in about 0.12 s. First
-        chunks (first audio) and last ones (the request's end) never wait."""
-        if not self.defer_steps or window.index == 0 or window.is_last:
+        chunks (first audio: no first-chunk time is known before it is read) and last ones
+        (the request's end) never wait. Checked once a step: a chunk let go reaches its
+        client a step later, well inside the slack unless two steps take 0.25 s."""
+        if not self.defer_steps or window.is_last:
             return False
         first = self.first_chunk_times.get(window.request_id)
         return first is not None and first + window.start * FRAME_S - now >= DEFER_SLACK_S
@@ -192,7 +196,11 @@ class AudioOutput:
             self.batch_latencies.append((now - submitted, len(owners)))
             for decoded, request in zip(decoded_chunks, owners, strict=True):
                 event = self._event(decoded, request, now, finish)
-                if decoded.window.index == 0 and request.request_id in self.streams:
+                if (
+                    self.defer_steps
+                    and decoded.window.index == 0
+                    and request.request_id in self.streams
+                ):
                     self.first_chunk_times[request.request_id] = now
                 if event is not None:
                     outputs.append(event)

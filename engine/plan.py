@@ -148,8 +148,8 @@ def check_overrides(overrides: Mapping[str, object], device: str) -> None:
         ),
         (
             not 0 <= o.get("codec_defer_steps", 0) <= 24,
-            f"codec_defer_steps must be in 0..24 (a steady chunk is 25 steps), got "
-            f"{o.get('codec_defer_steps')}",
+            "codec_defer_steps must be in 0..24 (fewer than a default steady chunk's 25 "
+            f"rows), got {o.get('codec_defer_steps')}",
         ),
         (o.get("codec_defer_batch") == 0, "codec_defer_batch must be at least 1"),
     )

@@ -3,6 +3,7 @@ they wait and when they go, and that the audio and its order are what they were.
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -158,6 +159,24 @@ def test_an_ended_request_leaves_nothing_waiting():
     assert len(codec.batches) == before  # nothing decoded for it
 
 
+def test_a_batch_latency_counts_from_its_launch_and_off_keeps_no_clock():
+    """Deferral off (the default): a batch's latency runs from when the codec took it to its
+    read-back (the clonecast_codec_batch_seconds metric), and no first-chunk times are kept."""
+    clock = _Clock()
+
+    class _SlowCodec(_Codec):
+        def submit(self, windows):
+            clock.t += 0.05  # decoding on the CPU happens in submit
+            return super().submit(windows)
+
+    out = AudioOutput(_SlowCodec(), StreamConfig(), clock=clock)
+    a = _Request("a")
+    out.open("a")
+    _step(out, [a], rows=15)
+    assert out.take_batch_latencies() == [(0.0, 1)]
+    assert not out.first_chunk_times
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [
@@ -218,3 +237,56 @@ def test_deferred_batches_carry_the_same_audio_in_order(tmp_path_factory):
     assert sum(deferred_batches) == sum(plain_batches)
     assert len(deferred_batches) < len(plain_batches)
     assert max(deferred_batches) > max(plain_batches)
+
+
+@pytest.mark.parametrize("seed, kv_blocks", [(0, None), (1, 40)])
+def test_aborts_and_preemptions_leave_no_chunk_behind(tmp_path_factory, seed, kv_blocks):
+    """Requests started at random steps, some aborted mid-stream, and (with 40 KV blocks)
+    preempted, on a clock that moves 5-30 ms a step: every request's chunks arrive in order
+    with its last chunk carrying its finish, nothing follows an abort, the engine has work
+    while a chunk waits, and nothing is left waiting or remembered at the end."""
+    rng = random.Random(seed)
+    overrides = {"codec_defer_steps": 6, "codec_defer_batch": 4}
+    config = EngineConfig(
+        block_size=8,
+        max_num_seqs=6,
+        max_num_batched_tokens=64,
+        num_kv_blocks=kv_blocks,
+        plan_overrides=overrides,
+    )
+    engine = Engine.from_pretrained(None, config, cache_dir=tmp_path_factory.mktemp("cache"))
+    clock = _Clock()
+    engine.audio.clock = clock
+    chunks: dict[str, list[int]] = {}
+    aborted, finished, most_waiting = set(), set(), 0
+    for _ in range(2000):
+        clock.t += rng.choice([0.005, 0.01, 0.03])
+        if len(chunks) < 10 and rng.random() < 0.2:
+            rid = f"r{len(chunks)}"
+            params = SamplingParams(seed=len(chunks), max_rows=rng.randint(40, 120))
+            engine.add_request(rid, f"Say {rid} slowly please.", params=params)
+            chunks[rid] = []
+        live = sorted(set(chunks) - aborted - finished)
+        if live and rng.random() < 0.03:
+            rid = rng.choice(live)
+            engine.abort(rid)
+            aborted.add(rid)
+        if len(chunks) == 10 and not engine.has_unfinished():
+            break
+        for e in engine.step():
+            assert e.request_id not in aborted | finished, e
+            if e.audio is not None:
+                chunks[e.request_id].append(e.audio.index)
+                assert e.finished or not e.audio.is_last, e
+            if e.finished:
+                finished.add(e.request_id)
+                assert chunks[e.request_id] == list(range(len(chunks[e.request_id])))
+        most_waiting = max(most_waiting, len(engine.audio.deferred))
+        assert engine.has_unfinished() or not engine.audio.deferred
+    assert len(chunks) == 10 and not engine.has_unfinished()
+    assert finished | aborted == set(chunks) and aborted
+    assert most_waiting >= 2  # chunks did wait for each other
+    if kv_blocks:
+        assert engine.stats.num_preemptions > 0
+    audio = engine.audio
+    assert not (audio.deferred or audio.first_chunk_times or audio.streams or audio.held)
