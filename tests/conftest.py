@@ -34,7 +34,8 @@ def _return_gpu_memory():
     """After each test that touched a GPU: what it left in reference cycles collected and the
     cached blocks returned, so no test inherits another's memory (the one place that does
     it). Added when, on an 80 GB H100, every test after the full-size bucket test (two
-    engines of about 30 GB) ran out of memory; not yet re-run on a GPU since."""
+    engines of about 30 GB) ran out of memory; with it, every test of tests/engine and the fp8
+    kernels passed on that card (docs/perf-log/2026-12-06-session-25.md)."""
     yield
     if torch.cuda.is_initialized():
         import gc
