@@ -1,8 +1,9 @@
 """What the served benchmark prints: the run's identity (commit, dirty flag, GPU, clocks,
-versions, non-default settings), one row per start and the pooled row per concurrency and
-voice pool, the share of steps per graph bucket, the ratio to the decode-step floor and to
-vLLM-Omni's published figures, PASS / FAIL per target, and VALID only when a point has at
-least 3 starts, a spread of audio-s/s within 5% and saturated windows of at least 10 s."""
+versions, non-default settings, the servers' CLONECAST_* environment), one row per start and
+the pooled row per concurrency and voice pool, the share of steps per graph bucket, the ratio
+to the decode-step floor and to vLLM-Omni's published figures, PASS / FAIL per target, and
+VALID only when a point has at least 3 starts, a spread of audio-s/s within 5% and saturated
+windows of at least 10 s."""
 
 from __future__ import annotations
 
@@ -50,6 +51,21 @@ def tree_id() -> str:
         return _run(["git", "write-tree"], env).strip()[:12] or "?"
 
 
+def server_environment(env=os.environ) -> dict[str, str]:
+    """The CLONECAST_* settings the benchmark's servers inherit (a lever's, say), which the
+    command line does not show. A key's or secret's value is never printed, only that it
+    was set, nor any URL (a voice store's postgresql:// URL may hold a password)."""
+
+    def secret(name: str, value: str) -> bool:
+        return "KEY" in name or "SECRET" in name or "://" in value
+
+    return {
+        k: "(set)" if secret(k, v) else v
+        for k, v in sorted(env.items())
+        if k.startswith("CLONECAST_")
+    }
+
+
 def identity(args, parser) -> dict:
     """Where and how this run ran."""
     import torch
@@ -78,6 +94,7 @@ def identity(args, parser) -> dict:
         "gpu": gpu or "none (nvidia-smi absent)",
         "versions": versions,
         "settings": settings,
+        "environment": server_environment(),
     }
 
 
@@ -86,9 +103,10 @@ def describe_identity(ident: dict) -> str:
     settings = ", ".join(f"{k}={v}" for k, v in ident["settings"].items()) or "defaults"
     dirty = " (dirty tree)" if ident["dirty"] else ""
     tree = f", tree {ident['tree']}" if ident.get("tree") else ""
+    environment = ", ".join(f"{k}={v}" for k, v in ident.get("environment", {}).items())
     return (
         f"commit {ident['commit']}{dirty}{tree}; GPU: {ident['gpu']}; {versions}; "
-        f"settings: {settings}"
+        f"settings: {settings}; environment: {environment or 'none'}"
     )
 
 

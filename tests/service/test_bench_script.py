@@ -232,3 +232,35 @@ def test_the_identity_names_the_files_that_ran_by_their_git_tree(tmp_path, monke
     monkeypatch.setattr(bench_report, "ROOT", tmp_path / "build")  # not a repository root
     (tmp_path / ".git").rename(tmp_path / "git-moved")
     assert bench_report.tree_id() == "?"
+
+
+def test_the_identity_shows_the_servers_settings_but_no_secret():
+    """A lever's settings reach the servers through the environment: the identity names
+    them, but never a key, a secret or a URL (a voice store's may hold a password)."""
+    from benchmarks.bench_report import describe_identity, server_environment
+
+    env = {
+        "CLONECAST_QUANTIZATION": "fp8",
+        "CLONECAST_PLAN": '{"codec_defer_steps":6}',
+        "CLONECAST_API_KEYS": "sk-one,sk-two",
+        "CLONECAST_API_KEY_FILE": "/etc/keys",
+        "CLONECAST_TOKEN_SECRET": "hush",
+        "CLONECAST_VOICE_STORE": "postgresql://clonecast:pw@db/voices",
+        "HOME": "/root",
+    }
+    shown = server_environment(env)
+    assert shown == {
+        "CLONECAST_API_KEYS": "(set)",
+        "CLONECAST_API_KEY_FILE": "(set)",
+        "CLONECAST_PLAN": '{"codec_defer_steps":6}',
+        "CLONECAST_QUANTIZATION": "fp8",
+        "CLONECAST_TOKEN_SECRET": "(set)",
+        "CLONECAST_VOICE_STORE": "(set)",
+    }
+    ident = {"commit": "abc", "dirty": False, "gpu": "none", "versions": {}, "settings": {}}
+    line = describe_identity({**ident, "environment": shown})
+    assert "environment: CLONECAST_API_KEYS=(set), " in line
+    assert 'CLONECAST_PLAN={"codec_defer_steps":6}, CLONECAST_QUANTIZATION=fp8' in line
+    for secret in ("sk-one", "hush", "pw@", "/etc/keys"):
+        assert secret not in line
+    assert describe_identity(ident).endswith("settings: defaults; environment: none")
