@@ -17,16 +17,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.codec.audio_io import HOP, SAMPLE_RATE
 from engine.codec.chunk_decoder import ChunkDecoder, DecodedChunk, PendingChunks
-from engine.config import StreamConfig
+from engine.config import FRAMES_PER_SECOND, StreamConfig
 from engine.prompt import AudioRow
 from engine.request import FinishReason, Request
 from engine.streaming import AudioStream, ChunkWindow
 
 log = logging.getLogger("clonecast.engine")
 
-FRAME_S = HOP / SAMPLE_RATE  # 40 ms of audio a frame
 # A steady chunk waits only while the audio its client already has (reckoned from when its
 # first chunk was ready) lasts this much longer: several steps and a codec batch even at 256
 # streams (served steps of 11-15 ms), so waiting never makes a chunk late.
@@ -104,7 +102,7 @@ class AudioOutput:
     def close(self, request_id: str) -> None:
         self.streams.pop(request_id, None)
         self.first_chunk_times.pop(request_id, None)
-        if any(r.request_id == request_id for _, r, _ in self.deferred):  # ended, not spoken
+        if self.deferred:  # an ended request's waiting chunks are not spoken
             self.deferred = [d for d in self.deferred if d[1].request_id != request_id]
 
     def hold(self, request: Request) -> None:
@@ -164,7 +162,7 @@ class AudioOutput:
         if not self.defer_steps or window.is_last:
             return False
         first = self.first_chunk_times.get(window.request_id)
-        return first is not None and first + window.start * FRAME_S - now >= DEFER_SLACK_S
+        return first is not None and first + window.start / FRAMES_PER_SECOND - now >= DEFER_SLACK_S
 
     def _deferred_due(self, owners: list[Request], now: float) -> bool:
         """The deferred windows go now if they make a full batch, the oldest has waited its
