@@ -61,11 +61,12 @@ class ExecutionPlan:
     sampler_graphs: bool = False  # one graph per sampler row bucket
     async_scheduling: bool = True  # step N+1 is launched before step N's rows are read
     noise_kernel: bool = False  # the sampler's noise in one Triton launch
-    codec_dtype: str = "float32"
+    codec_dtype: str = "float32"  # float16 by default where the codec is autotuned
     codec_channels_last: bool = False  # codec activations in NHWC memory
     codec_graph_max_batch: int = 0  # codec graphs per batch size up to this; 0: none
     # cuDNN times its convolution algorithms for each codec graph's shape at capture, instead
-    # of taking its heuristic's pick (in bf16 NHWC 6-11x slower than fp32 at some batch sizes)
+    # of taking its heuristic's pick (in bf16 and fp16 NHWC 6-19x slower than fp32 at some
+    # batch sizes); by default wherever codec graphs are captured
     codec_autotune: bool = False
     # steady chunks may wait up to this many steps (0: none) to join a larger codec batch,
     # which goes as soon as it holds codec_defer_batch windows (engine/audio_output.py);
@@ -208,6 +209,11 @@ def resolve(config, model_config, device) -> ExecutionPlan:
     # autotuning happens while the codec graphs are captured: without them it cannot
     if o.get("codec_autotune") and not codec_batch:
         raise ConfigError("codec_autotune needs codec graphs (not enforce_eager)")
+    # Where the codec has graphs it runs in fp16 with cuDNN's algorithms timed at capture:
+    # 7.5% more audio-s/s at 64 streams, for about 30 s more start-up (H100,
+    # docs/perf-log/2026-12-06-session-26.md). fp16 only with the timing: cuDNN's heuristic
+    # picks make some fp16 batch sizes 6-19x slower than fp32, so untuned stays fp32.
+    autotune = o.get("codec_autotune", bool(codec_batch))
     return ExecutionPlan(
         attention_backend=backend,
         fused_ops=fused,
@@ -228,10 +234,10 @@ def resolve(config, model_config, device) -> ExecutionPlan:
         sampler_graphs=graphs,
         async_scheduling=o.get("async_scheduling", True),
         noise_kernel=o.get("noise_kernel", cuda),
-        codec_dtype=o.get("codec_dtype", "float32"),
+        codec_dtype=o.get("codec_dtype", "float16" if autotune else "float32"),
         codec_channels_last=o.get("codec_channels_last", cuda),
         codec_graph_max_batch=codec_batch,
-        codec_autotune=o.get("codec_autotune", False),
+        codec_autotune=autotune,
         codec_defer_steps=o.get("codec_defer_steps", 0),
         codec_defer_batch=o.get("codec_defer_batch", 8),
     )

@@ -81,3 +81,32 @@ def test_fp8_row_padding_is_a_cuda_setting(tiny_ckpt):
     assert plan.fp8_pow2_rows is False
     with pytest.raises(ConfigError, match="fp8_pow2_rows is a setting of the CUDA fp8 matmul"):
         EngineConfig(plan_overrides={"fp8_pow2_rows": True})
+
+
+@pytest.mark.parametrize(
+    "overrides, eager, want",
+    [
+        ({}, False, ("float16", True)),  # served: the codec graphs are timed, fp16
+        ({}, True, ("float32", False)),  # no codec graphs: nothing to time, fp32
+        ({"codec_autotune": False}, False, ("float32", False)),  # fast start-up
+        ({"codec_graph_max_batch": 0}, False, ("float32", False)),
+        ({"codec_dtype": "bfloat16"}, False, ("bfloat16", True)),
+    ],
+)
+def test_the_gpu_codec_is_fp16_only_where_its_algorithms_are_timed(
+    tiny_ckpt, monkeypatch, overrides, eager, want
+):
+    """cuDNN's heuristic picks make fp16 codec graphs 6-19x slower than fp32 at some batch
+    sizes, timed ones faster than fp32 at every size: the GPU's default codec is fp16 only
+    together with autotuning, which needs codec graphs. Resolved for a GPU without touching
+    one (the compute-capability probes are stood in for)."""
+    import engine.plan as plan_module
+
+    monkeypatch.setattr(plan_module, "resolve_pdl", lambda setting, fused, device: False)
+    monkeypatch.setattr(plan_module, "resolve_tma", lambda *args: False)
+    _, model_config = read_config(tiny_ckpt)
+    config = EngineConfig(device="cuda", enforce_eager=eager, plan_overrides=overrides)
+    plan = resolve(config, model_config, torch.device("cuda"))
+    assert (plan.codec_dtype, plan.codec_autotune) == want
+    no_graphs = eager or "codec_graph_max_batch" in overrides
+    assert plan.codec_graph_max_batch == (0 if no_graphs else 64)
