@@ -1,6 +1,7 @@
 """Codec decode time on the GPU at the published codec size (random weights), eager and
 replayed from a CUDA graph (as serving runs it): our decoder in fp32 with TF32 convolutions
-(the serving default), with the fused Triton Snake, with cuDNN autotuning, and in bf16, for
+(the default without codec graphs), with the fused Triton Snake, with cuDNN autotuning, and
+in bf16 and fp16 (timed: the served default), for
 the shapes streaming uses: (b, 8) first chunks and (b, 33) steady windows (25 new frames).
 
     python benchmarks/codec_throughput.py [--shapes 1x8,1x33,4x33,64x8,64x33] [--reference]

@@ -17,7 +17,8 @@
 #                samples holding the interpreter lock, summarised by benchmarks/pyspy_top.py)
 #   PROTOCOL=1   the full served protocol of docs/PERFORMANCE.md (C = 1..256, 3 fresh starts,
 #                10 s timed a point); PROTOCOL_VOICES the pools (64cold; 1: one voice; one pool
-#                is a call of 300-380 s), PROTOCOL_C, PROTOCOL_S
+#                with the timed fp16 codec's start-up may not fit a call of 600 s: split it with
+#                PROTOCOL_C, e.g. 1,32,64 then 128,256), PROTOCOL_S
 #   LEVERS="NAME:VAR=VALUE+VAR=VALUE ..." one served run per lever, its server started with
 #                those environment variables (e.g. budget:CLONECAST_MAX_BATCHED_TOKENS=1024),
 #                LEVER_VOICES the pool (64cold), LEVER_C (128,256), LEVER_STARTS (1), LEVER_ARGS;

@@ -13,10 +13,13 @@ imports no torch at its top (the config validates overrides through it).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 
 from engine.config import ConfigError
+
+log = logging.getLogger("clonecast.engine")
 
 BACKENDS = ("torch", "triton", "varlen", "flash")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -65,8 +68,8 @@ class ExecutionPlan:
     codec_channels_last: bool = False  # codec activations in NHWC memory
     codec_graph_max_batch: int = 0  # codec graphs per batch size up to this; 0: none
     # cuDNN times its convolution algorithms for each codec graph's shape at capture, instead
-    # of taking its heuristic's pick (in bf16 and fp16 NHWC 6-19x slower than fp32 at some
-    # batch sizes); by default wherever codec graphs are captured
+    # of taking its heuristic's pick (in bf16 and fp16 NHWC 6-10x slower than fp32 at some
+    # batch sizes); by default wherever codec graphs are captured, unless float32 is asked
     codec_autotune: bool = False
     # steady chunks may wait up to this many steps (0: none) to join a larger codec batch,
     # which goes as soon as it holds codec_defer_batch windows (engine/audio_output.py);
@@ -210,10 +213,20 @@ def resolve(config, model_config, device) -> ExecutionPlan:
     if o.get("codec_autotune") and not codec_batch:
         raise ConfigError("codec_autotune needs codec graphs (not enforce_eager)")
     # Where the codec has graphs it runs in fp16 with cuDNN's algorithms timed at capture:
-    # 7.5% more audio-s/s at 64 streams, for about 30 s more start-up (H100,
-    # docs/perf-log/2026-12-06-session-26.md). fp16 only with the timing: cuDNN's heuristic
-    # picks make some fp16 batch sizes 6-19x slower than fp32, so untuned stays fp32.
-    autotune = o.get("codec_autotune", bool(codec_batch))
+    # with fp8 weights 7.5% more audio-s/s at 64 streams, for about 30 s more start-up (H100,
+    # docs/perf-log/2026-12-06-session-26.md). Half precision only with the timing: cuDNN's
+    # heuristic picks make some fp16 batch sizes 6-10x slower than fp32. An fp32 codec asked
+    # for by name is the untimed one of before (the fast start).
+    half = o.get("codec_dtype", "float16") != "float32"
+    autotune = o.get("codec_autotune", bool(codec_batch) and half)
+    codec_dtype = o.get("codec_dtype", "float16" if autotune else "float32")
+    if cuda and codec_dtype != "float32" and not autotune:
+        log.warning(
+            "codec in %s without timed cuDNN algorithms (the plan's codec_autotune, "
+            "with codec graphs): "
+            "some batch sizes run 6-10x slower than in float32",
+            codec_dtype,
+        )
     return ExecutionPlan(
         attention_backend=backend,
         fused_ops=fused,
@@ -234,7 +247,7 @@ def resolve(config, model_config, device) -> ExecutionPlan:
         sampler_graphs=graphs,
         async_scheduling=o.get("async_scheduling", True),
         noise_kernel=o.get("noise_kernel", cuda),
-        codec_dtype=o.get("codec_dtype", "float16" if autotune else "float32"),
+        codec_dtype=codec_dtype,
         codec_channels_last=o.get("codec_channels_last", cuda),
         codec_graph_max_batch=codec_batch,
         codec_autotune=autotune,

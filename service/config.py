@@ -37,7 +37,7 @@ variables (all named CLONECAST_*).
 |  | (and ping frames) a second sustained (50), and at once (100); over it: `rate_limited` |
 | CLONECAST_HEADER_TIMEOUT_S | an HTTP request's head must arrive within this (10 s) |
 | CLONECAST_BODY_TIMEOUT_S | and its body within this of the head (60 s); else 408 |
-| CLONECAST_EAGER | 1: no CUDA graphs (debugging, comparison) |
+| CLONECAST_EAGER | 1: no CUDA graphs (debugging, comparison; the codec is then fp32, untimed) |
 | CLONECAST_ATTENTION_BACKEND | auto (Triton on CUDA, else torch), or a FlashAttention backend |
 | CLONECAST_KV_CACHE_DTYPE | auto (the model's dtype) or fp8: a float8 KV cache, twice the |
 |  | blocks and half the attention reads, lossy (EngineConfig.kv_cache_dtype) |

@@ -9,6 +9,7 @@ any other shape runs eagerly."""
 from __future__ import annotations
 
 import contextlib
+import threading
 from bisect import bisect_left
 
 import torch
@@ -30,20 +31,37 @@ def batch_ladder(max_batch: int) -> list[int]:
     return sizes
 
 
+_tuning = threading.Lock()
+_tuners = 0  # captures inside cudnn_autotuned(True) now, in any thread
+_flag_before = False  # cuDNN's benchmark flag before the first of them
+
+
 @contextlib.contextmanager
 def cudnn_autotuned(on: bool):
     """cuDNN's benchmark mode for the calls inside: the warm-up calls before each capture
     time the heuristic's leading candidates (`cudnn.benchmark_limit` of them) for their
     shape, and the capture keeps the fastest. Only the benchmark flag changes (cuDNN's own
-    `flags()` would also reset the limit and the fp32 precision); it is process-wide, so two
-    engines of one process capturing at once could see each other's setting."""
+    `flags()` would also reset the limit and the fp32 precision). The flag is process-wide
+    and engines of one process capture in threads of their own at once: it is set by the
+    first capture that wants it and put back by the last to leave, so none is left untimed
+    by another's exit, nor the process timing for ever."""
+    global _tuners, _flag_before
+    if not on:
+        yield
+        return
     cudnn = torch.backends.cudnn
-    before = cudnn.benchmark
-    cudnn.benchmark = before or on
+    with _tuning:
+        if _tuners == 0:
+            _flag_before = cudnn.benchmark
+            cudnn.benchmark = True
+        _tuners += 1
     try:
         yield
     finally:
-        cudnn.benchmark = before
+        with _tuning:
+            _tuners -= 1
+            if _tuners == 0:
+                cudnn.benchmark = _flag_before
 
 
 class CodecGraphs:

@@ -233,6 +233,40 @@ def test_cudnn_autotuned_turns_benchmark_mode_on_inside_only():
         cudnn.benchmark_limit = before[1]
 
 
+def test_overlapping_autotuned_captures_keep_benchmark_mode_until_the_last_leaves():
+    """Engines of one process capture their codec graphs in threads of their own at once:
+    the first to leave must not turn timing off under the other (its remaining shapes
+    would be captured with cuDNN's untimed picks), and the last puts the mode back."""
+    import threading
+
+    from engine.codec.codec_graphs import cudnn_autotuned
+
+    cudnn = torch.backends.cudnn
+    before = cudnn.benchmark
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    seen = {}
+
+    def a():
+        with cudnn_autotuned(True):
+            a_in.set()
+            b_in.wait(5)
+        a_out.set()
+
+    def b():
+        with cudnn_autotuned(True):
+            b_in.set()
+            a_out.wait(5)
+            seen["after a left"] = cudnn.benchmark
+        seen["after both"] = cudnn.benchmark
+
+    threads = [threading.Thread(target=a), threading.Thread(target=b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert a_out.is_set() and seen == {"after a left": True, "after both": before}
+
+
 def test_codec_graph_batch_ladder_pads_to_the_next_rung():
     """Autotuned graphs come for a ladder of batch sizes, not each one: every size to 8,
     then a step that doubles with each doubling, and the maximum. A batch between rungs

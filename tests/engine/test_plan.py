@@ -91,15 +91,18 @@ def test_fp8_row_padding_is_a_cuda_setting(tiny_ckpt):
         ({"codec_autotune": False}, False, ("float32", False)),  # fast start-up
         ({"codec_graph_max_batch": 0}, False, ("float32", False)),
         ({"codec_dtype": "bfloat16"}, False, ("bfloat16", True)),
+        ({"codec_dtype": "float32"}, False, ("float32", False)),  # the fp32 of before
+        ({"codec_dtype": "float32", "codec_autotune": True}, False, ("float32", True)),
     ],
 )
 def test_the_gpu_codec_is_fp16_only_where_its_algorithms_are_timed(
     tiny_ckpt, monkeypatch, overrides, eager, want
 ):
-    """cuDNN's heuristic picks make fp16 codec graphs 6-19x slower than fp32 at some batch
+    """cuDNN's heuristic picks make fp16 codec graphs 6-10x slower than fp32 at some batch
     sizes, timed ones faster than fp32 at every size: the GPU's default codec is fp16 only
-    together with autotuning, which needs codec graphs. Resolved for a GPU without touching
-    one (the compute-capability probes are stood in for)."""
+    together with autotuning, which needs codec graphs, and float32 asked for by name is
+    untimed. Resolved for a GPU without touching one (the compute-capability probes are
+    stood in for)."""
     import engine.plan as plan_module
 
     monkeypatch.setattr(plan_module, "resolve_pdl", lambda setting, fused, device: False)
@@ -110,3 +113,24 @@ def test_the_gpu_codec_is_fp16_only_where_its_algorithms_are_timed(
     assert (plan.codec_dtype, plan.codec_autotune) == want
     no_graphs = eager or "codec_graph_max_batch" in overrides
     assert plan.codec_graph_max_batch == (0 if no_graphs else 64)
+
+
+def test_a_half_precision_codec_without_timing_is_warned_about(tiny_ckpt, monkeypatch, caplog):
+    """fp16 forced untimed on a GPU runs, but some of its batch sizes are 6-10x slower than
+    fp32: the start-up log says so; the default (timed) says nothing."""
+    import engine.plan as plan_module
+
+    monkeypatch.setattr(plan_module, "resolve_pdl", lambda setting, fused, device: False)
+    monkeypatch.setattr(plan_module, "resolve_tma", lambda *args: False)
+    _, model_config = read_config(tiny_ckpt)
+    cuda = torch.device("cuda")
+    with caplog.at_level("WARNING", logger="clonecast.engine"):
+        resolve(EngineConfig(device="cuda"), model_config, cuda)
+        assert not caplog.records
+        forced = {"codec_dtype": "float16", "codec_autotune": False}
+        resolve(EngineConfig(device="cuda", plan_overrides=forced), model_config, cuda)
+    assert [r.getMessage() for r in caplog.records] == [
+        "codec in float16 without timed cuDNN algorithms (the plan's codec_autotune, "
+        "with codec graphs): "
+        "some batch sizes run 6-10x slower than in float32"
+    ]
