@@ -48,3 +48,41 @@ def test_server_procs_names_the_server_and_its_engine_and_survives_a_missing_py_
         assert text.count("py-spy failed") == headers  # each one said, none stopped the rest
     finally:
         stop_serve(server)
+
+
+def test_bucket_cost_times_every_shape_against_its_decode_only_twin(tiny_ckpt):
+    """benchmarks/bucket_cost.py on the CPU (eager forward, tiny checkpoint): one row per
+    (decodes, prompt) with the decode-only step of each D first, the prompt's sequence
+    holding fresh pages of its own and each decode its context's, and the table's extra cost
+    reckoned against the decode-only twin of the same D."""
+    import numpy as np
+
+    from benchmarks.bucket_cost import load_batch, measure, table
+    from engine import Engine, EngineConfig
+
+    config = EngineConfig(max_num_seqs=9, max_num_batched_tokens=64, num_kv_blocks=256)
+    engine = Engine.from_pretrained(tiny_ckpt, config)
+    rows = measure(engine, decodes=[4, 8], prompts=[5, 0], context=40, iters=2)
+    assert [(d, p, t, b) for d, p, t, b, _ in rows] == [
+        (4, 0, 4, "eager"),
+        (4, 5, 9, "eager"),
+        (8, 0, 8, "eager"),
+        (8, 5, 13, "eager"),
+    ]
+    assert all(ms > 0 for *_, ms in rows)
+    lines = table(rows)
+    assert lines[1].split()[-2:] == ["0.000", "-"]  # the decode-only row against itself
+    extra = float(lines[2].split()[-2])
+    assert extra == pytest.approx(rows[1][4] - rows[0][4], abs=1e-3)
+
+    runner = engine.runner
+    t = load_batch(runner, [5, 1, 1], [0, 40, 40], seed=3)
+    lay, h = runner.layout, runner.host_np
+    slots = lay.view(h, "slot_mapping")[:t]
+    pages = slots // config.block_size
+    assert t == 7 and len(set(slots)) == t and 0 not in pages  # block 0 is the reserved one
+    assert list(lay.view(h, "positions")[:t]) == [0, 1, 2, 3, 4, 40, 40]
+    assert list(lay.view(h, "seq_lens")[:3]) == [5, 41, 41]
+    tables = lay.view(h, "block_tables").reshape(-1, runner.max_blocks)
+    owned = [set(tables[b, : -(-n // config.block_size)]) for b, n in enumerate([5, 41, 41])]
+    assert not (owned[0] & owned[1]) and not (owned[1] & owned[2]) and np.all(pages >= 1)

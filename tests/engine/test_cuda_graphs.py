@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from benchmarks.bucket_cost import load_batch
 from engine import Engine, EngineConfig, SamplingParams
 from engine.checkpoint_writer import TINY_TEXT_CONFIG, write_checkpoint
 from engine.cuda_graphs import DEFAULT_BUCKETS, CudaGraphs, capture_query_bound
@@ -45,36 +46,6 @@ def test_decode_only_capture_keeps_one_and_explicit_bounds_are_kept():
         assert capture_query_bound(bucket, decode_only=True, explicit=3) == 3
 
 
-def _load_batch(runner, q_lens, ctx_lens, seed=0):
-    """Puts a real-looking batch into the runner's input buffers (random K/V context)."""
-    import numpy as np
-
-    lay, h = runner.layout, runner.host_np
-    bs = runner.config.block_size
-    rng = np.random.default_rng(seed)
-    free = rng.permutation(np.arange(1, runner.kv_caches[0].shape[1]))
-    qsl, t, used = lay.view(h, "query_start_loc"), 0, 0
-    tables = lay.view(h, "block_tables").reshape(-1, runner.max_blocks)
-    qsl[0] = 0
-    for b, (n, ctx) in enumerate(zip(q_lens, ctx_lens, strict=True)):
-        pages = -(-(ctx + n) // bs)
-        blocks = free[used : used + pages]
-        used += pages
-        tables[b, :pages] = blocks
-        pos = np.arange(ctx, ctx + n)
-        lay.view(h, "positions")[t : t + n] = pos
-        lay.view(h, "slot_mapping")[t : t + n] = blocks[pos // bs] * bs + pos % bs
-        lay.view(h, "token_ids")[t : t + n] = rng.integers(0, 256, n)
-        lay.view(h, "seq_lens")[b] = ctx + n
-        t += n
-        qsl[b + 1] = t
-    lay.view(h, "audio_rows")[: t * 8] = -1
-    lay.view(h, "feedback_slot")[:t] = -1
-    for cache in runner.kv_caches:
-        cache.normal_()
-    return t
-
-
 def _mini_engine(tmp_path):
     ckpt = write_checkpoint(tmp_path / "ckpt", HIGGS_HEADS, seed=3)
     cfg = EngineConfig(
@@ -101,7 +72,7 @@ def test_capture_bound_red_green_with_our_kernel(tmp_path, bound, should_match):
     assert graph.max_query_len == (256 if bound is None else 4)
     q_lens, ctx = [212] + [1] * 44, [0] + [300] * 44
     with torch.inference_mode():
-        t = _load_batch(runner, q_lens, ctx)
+        t = load_batch(runner, q_lens, ctx)
         runner._pad(t, 256, len(q_lens), graph.num_seqs)
         runner._copy_inputs()
         replayed = graph.replay()[:t].float().clone()
@@ -435,7 +406,7 @@ def test_every_full_size_bucket_replays_its_eager_twin(quantization):
                 decodes = min(bucket // 2, graph.num_seqs - 1)
                 q_lens = [bucket - decodes] + [1] * decodes
             print(f"{quantization} {'decode' if decode_only else 'mixed'} {bucket}", flush=True)
-            t = _load_batch(runner, q_lens, [0] + [300] * (len(q_lens) - 1), seed=bucket)
+            t = load_batch(runner, q_lens, [0] + [300] * (len(q_lens) - 1), seed=bucket)
             runner._pad(t, bucket, len(q_lens), graph.num_seqs)
             runner._copy_inputs()
             replayed = graph.replay()[:t].clone()

@@ -1,0 +1,161 @@
+"""What a step of each served shape costs the GPU: D decoding sequences (each with about
+`--context` positions of K/V) alone, and beside one prompt chunk of P positions, on the
+full-size shape, one backbone graph replayed (the bucket serving would pick) or, eagerly, the
+forward itself. The served benchmark prints how many steps replay each bucket (64 decodes and
+a 9-position prompt replay the 80-token graph; 64 and a 246-position one, 320); this prints
+what each costs, and the difference to the decode-only step of the same D, so that levers
+that change the mix (admitting prompts together, our fp8 GEMM above 64 rows) can be judged
+before they are built.
+
+    python benchmarks/bucket_cost.py --ckpt DIR [--decodes 64,128,256] [--prompts 0,9,25,246]
+        [--context 400] [--set quantization=fp8] [--eager]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.overrides import engine_config  # noqa: E402
+from engine import Engine  # noqa: E402
+
+
+def load_batch(runner, q_lens: list[int], ctx_lens: list[int], seed: int = 0) -> int:
+    """Puts a real-looking batch into the runner's input buffers: sequence b has `ctx_lens[b]`
+    positions of K/V already (random, in pages drawn at random) and `q_lens[b]` new ones. The
+    caches are filled with noise. Returns the batch's token count."""
+    lay, h = runner.layout, runner.host_np
+    bs = runner.config.block_size
+    rng = np.random.default_rng(seed)
+    free = rng.permutation(np.arange(1, runner.kv_caches[0].shape[1]))
+    qsl, t, used = lay.view(h, "query_start_loc"), 0, 0
+    tables = lay.view(h, "block_tables").reshape(-1, runner.max_blocks)
+    qsl[0] = 0
+    for b, (n, ctx) in enumerate(zip(q_lens, ctx_lens, strict=True)):
+        pages = -(-(ctx + n) // bs)
+        blocks = free[used : used + pages]
+        used += pages
+        tables[b, :pages] = blocks
+        pos = np.arange(ctx, ctx + n)
+        lay.view(h, "positions")[t : t + n] = pos
+        lay.view(h, "slot_mapping")[t : t + n] = blocks[pos // bs] * bs + pos % bs
+        lay.view(h, "token_ids")[t : t + n] = rng.integers(0, 256, n)
+        lay.view(h, "seq_lens")[b] = ctx + n
+        t += n
+        qsl[b + 1] = t
+    lay.view(h, "audio_rows")[: t * 8] = -1
+    lay.view(h, "feedback_slot")[:t] = -1
+    for cache in runner.kv_caches:
+        cache.normal_()
+    return t
+
+
+def step_fn(runner, q_lens: list[int], ctx_lens: list[int]):
+    """(the bucket replayed or "eager", a callable that runs the step's backbone once) for
+    the batch, loaded into the runner's buffers."""
+    t = load_batch(runner, q_lens, ctx_lens)
+    n, max_q = len(q_lens), max(q_lens)
+    graph = runner.graphs.lookup(t, decode_only=max_q == 1) if runner.graphs else None
+    if graph is None:
+        runner._copy_inputs()
+        max_len = max(q + c for q, c in zip(q_lens, ctx_lens, strict=True))
+        return "eager", lambda: runner.forward(t, n, max_q, max_len)
+    runner._pad(t, graph.num_tokens, n, graph.num_seqs)
+    runner._copy_inputs()
+    return graph.num_tokens, graph.replay
+
+
+def time_ms(fn, device: torch.device, iters: int, repeats: int = 5) -> float:
+    """Median over `repeats` of the mean ms of `iters` back-to-back calls (GPU time through
+    events on CUDA, wall time on the CPU), after two untimed calls."""
+    cuda = device.type == "cuda"
+    with torch.inference_mode():
+        for _ in range(2):
+            fn()
+        means = []
+        for _ in range(repeats):
+            if cuda:
+                start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+                start.record()
+                for _ in range(iters):
+                    fn()
+                end.record()
+                end.synchronize()
+                means.append(start.elapsed_time(end) / iters)
+            else:
+                t0 = time.perf_counter()
+                for _ in range(iters):
+                    fn()
+                means.append((time.perf_counter() - t0) * 1e3 / iters)
+    return statistics.median(means)
+
+
+def measure(engine: Engine, decodes: list[int], prompts: list[int], context: int, iters: int):
+    """Rows of (decodes, prompt, tokens, bucket, ms); the decode-only step of each D first."""
+    rows = []
+    for d in decodes:
+        for p in sorted(set(prompts) | {0}):
+            q_lens = ([p] if p else []) + [1] * d
+            ctx_lens = ([0] if p else []) + [context] * d
+            bucket, fn = step_fn(engine.runner, q_lens, ctx_lens)
+            rows.append((d, p, sum(q_lens), bucket, time_ms(fn, engine.device, iters)))
+    return rows
+
+
+def table(rows) -> list[str]:
+    """The printed table: each step's ms and what it costs over its decode-only twin."""
+    alone = {d: ms for d, p, _, _, ms in rows if p == 0}
+    lines = [
+        "{:>7} {:>6} {:>6} {:>6} {:>9} {:>14} {:>14}".format(
+            "decodes", "prompt", "tokens", "bucket", "ms", "+ms vs alone", "us a position"
+        )
+    ]
+    for d, p, t, bucket, ms in rows:
+        extra = ms - alone[d]
+        per = f"{extra / p * 1e3:.1f}" if p else "-"
+        lines.append(f"{d:>7} {p:>6} {t:>6} {bucket!s:>6} {ms:>9.3f} {extra:>14.3f} {per:>14}")
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ckpt", required=True)
+    ap.add_argument("--decodes", default="64,128,256")
+    ap.add_argument("--prompts", default="0,9,25,60,246")
+    ap.add_argument("--context", type=int, default=400)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--eager", action="store_true", help="no graphs: the forward itself")
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE")
+    args = ap.parse_args()
+    decodes = [int(x) for x in args.decodes.split(",")]
+    prompts = [int(x) for x in args.prompts.split(",")]
+    budget = max(512, max(decodes) + max(prompts))
+    fields = dict(
+        device=args.device,
+        max_num_seqs=max(decodes) + 1,  # the prompt's sequence beside the decodes
+        max_num_batched_tokens=budget,
+        # pages of 16 positions: each decode's context and its new row, and the prompt's
+        num_kv_blocks=max(decodes) * (args.context // 16 + 2) + max(prompts) // 16 + 64,
+        enable_prefix_caching=False,
+        enforce_eager=args.eager,
+    )
+    # the backbone only: the codec has its own benchmark (codec_throughput.py)
+    plan = {"codec_graph_max_batch": 0} if args.device.startswith("cuda") else {}
+    engine = Engine.from_pretrained(args.ckpt, engine_config(fields, plan, args.set))
+    rows = measure(engine, decodes, prompts, args.context, args.iters)
+    name = torch.cuda.get_device_name() if engine.device.type == "cuda" else "CPU"
+    q = engine.config.quantization
+    print(f"\nbackbone step per batch shape, {name}, context ~{args.context}, weights {q}")
+    print("\n".join(table(rows)))
+
+
+if __name__ == "__main__":
+    main()
