@@ -4,7 +4,7 @@ bf16 (what the engine runs without quantization), torch._scaled_mm with row-wise
 the engine's tiles with and without TMA, and the best of a small sweep), and the per-row
 activation quantization launch alone. Achieved weight bandwidth beside each.
 
-    python benchmarks/fp8_gemm.py [--batches 1,16,32,64,128] [--sweep]
+    python benchmarks/fp8_gemm.py [--batches 1,16,32,64,80,96,128] [--sweep]
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.gemm_shapes import COPIES, SHAPES, bench, graphed  # noqa: E402
 from engine.quantization import quantize_weight  # noqa: E402
 from kernels.fp8_quant import quantize_rows  # noqa: E402
-from kernels.skinny_gemm import skinny_gemm, skinny_tiles  # noqa: E402
+from kernels.skinny_gemm import MAX_ROWS, skinny_gemm, skinny_tiles  # noqa: E402
 
 SWEEP = [  # (block_n, block_k, num_stages, num_warps, tma)
     (64, 256, 4, 4, True),
@@ -70,7 +70,7 @@ def _sweep(x8, xs, ws8, counters, ref, m, n, k) -> tuple[float, str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--batches", default="1,16,32,64,128")
+    ap.add_argument("--batches", default="1,16,32,64,80,96,128")
     ap.add_argument("--sweep", action="store_true", help="also a small sweep of our tiles")
     args = ap.parse_args()
     counters = torch.zeros(4096, dtype=torch.int32, device="cuda")
@@ -115,7 +115,7 @@ def _row(x, ws, ws8, counters, sweep: bool) -> tuple:
         )
     quant = bench(graphed(lambda: [quantize_rows(x) for _ in range(COPIES)]))
     ours, best = [float("nan")] * 2, (float("nan"), "")
-    if m <= 64:
+    if m <= MAX_ROWS:
         for i, tma in enumerate((False, True)):
             kw = dict(skinny_tiles(m, n, k, tma), tma=tma)
             ours[i] = _skinny(x8, xs, ws8, counters, kw, ref, f"default tma={tma}")

@@ -30,7 +30,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, *range(80, 513, 16), *range(544, 1025, 32))
 DEFAULT_FEW_ROW_GEMM_ROWS = 16  # at 64 rows cuBLAS is faster on the H200
 # fp8 weights: steps up to this many tokens take our GEMM over float8 operands, larger ones
-# torch._scaled_mm (measured on the H200: docs/perf-log/2026-12-02-session-14.md)
+# torch._scaled_mm (measured on the H200: docs/perf-log/2026-12-02-session-14.md); up to 128
+# may be set (the 80-128 token steps of 64-128 streams), not yet measured
 DEFAULT_FEW_ROW_FP8_ROWS = 64
 DEFAULT_CODEC_GRAPH_BATCH = 64  # a step rarely completes more windows
 FOLLOW_EAGER = ("cuda_graphs", "sampler_graphs")  # set by enforce_eager, never overridden
@@ -127,8 +128,8 @@ def check_overrides(overrides: Mapping[str, object], device: str) -> None:
         ),
         (bool(rows) and (cpu or not fused), "few_row_gemm_rows needs fused_ops on a CUDA device"),
         (
-            not 0 <= o.get("few_row_fp8_rows", 0) <= 64,
-            f"few_row_fp8_rows must be in 0..64, got {o.get('few_row_fp8_rows')}",
+            not 0 <= o.get("few_row_fp8_rows", 0) <= 128,
+            f"few_row_fp8_rows must be in 0..128, got {o.get('few_row_fp8_rows')}",
         ),
         (
             bool(o.get("few_row_fp8_rows")) and (cpu or not fused),

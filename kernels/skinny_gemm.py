@@ -1,4 +1,4 @@
-"""`x @ W^T` for few rows (decode steps: 1 to 64 tokens) in Triton, split over the whole GPU.
+"""`x @ W^T` for few rows (decode steps: 1 to 128 tokens) in Triton, split over the whole GPU.
 
 At these shapes a projection reads its weight once and does almost no arithmetic: its time
 is the weight's bytes over the memory bandwidth the launch reaches. cuBLAS picks tiles that
@@ -9,7 +9,8 @@ slab through a pipelined loop, and the last program of an output tile to finish 
 an atomic) adds the partials in split order, so the result does not depend on which program
 finished last. Measured on the H200 it beats cuBLAS at one row and not at 64 rows
 (docs/perf-log/), so the engine uses it for steps of up to 16 tokens, with TMA tiles on
-Hopper.
+Hopper; over float8 operands it beats torch._scaled_mm at 64 rows, so fp8 weights take it up
+to 64 rows by default (65-128 rows: the plan's few_row_fp8_rows, not yet measured).
 Tensors in, tensor out; the reference is `F.linear`.
 """
 
@@ -20,6 +21,9 @@ import triton
 import triton.language as tl
 
 from kernels.launch import hopper_or_later, pdl_enter, pdl_launch
+
+# x tiles of up to 128 rows: a [BN, 128] fp32 accumulator is 64 registers a thread at 4 warps
+MAX_ROWS = 128
 
 
 @triton.jit
@@ -130,7 +134,9 @@ def skinny_tiles(m: int, n: int, k: int, tma: bool = False) -> dict:
     the sweep's best setting at each Higgs projection (qkv, o, gate-up, down, audio head).
     With `tma` the wide outputs take the TMA sweep's best at one row instead (qkv: four
     stages; gate-up, 19,456 rows: 128-row tiles of 128 columns, eight warps). Taller x tiles
-    (more than 16 rows) drop pipeline stages to fit the shared memory."""
+    (more than 16 rows) drop pipeline stages to fit the shared memory, and below two stages
+    (128 rows) halve the chunk of columns. The budget reckons two bytes an element for every
+    operand, fp8 too: the measured fp8 defaults up to 64 rows are these tiles."""
     bm = max(16, triton.next_power_of_2(m))
     warps = 4
     if triton.cdiv(n, 64) >= 96 and tma and n >= 16384:
@@ -141,8 +147,13 @@ def skinny_tiles(m: int, n: int, k: int, tma: bool = False) -> dict:
         bn, bk, stages = (128 if k >= 8192 else 64), 128, 4
         split = max(1, min(triton.cdiv(k, 128), round(k / 1600)))
     # each stage holds a weight and an x tile; the epilogue an fp32 [bn, bm] tile
-    while stages > 2 and stages * (bn + bm) * bk * 2 + bn * bm * 4 > 220 * 1024:
-        stages -= 1
+    while stages * (bn + bm) * bk * 2 + bn * bm * 4 > 220 * 1024:
+        if stages > 2:
+            stages -= 1
+        elif bk > 64:
+            bk //= 2
+        else:
+            break
     return dict(block_m=bm, block_n=bn, block_k=bk, split=split, num_warps=warps, num_stages=stages)
 
 
@@ -164,7 +175,7 @@ def skinny_gemm(
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """`x [M, K] @ weight [N, K]^T -> [M, N]` in x's dtype (fp32 accumulation), for M up to
-    64. `counters`: int32, at least `ceil(N / block_n)`, all zero; every launch leaves them
+    MAX_ROWS. `counters`: int32, at least `ceil(N / block_n)`, all zero; every launch leaves them
     zero (allocate once, share between launches on one stream and graph replays). `gated`:
     x is `[M, 2K]` = [gate | up] and the product is `silu_mul(x) @ weight^T` (the MLP's
     activation folded into the down projection). Tile knobs as `skinny_tiles`, which gives
@@ -179,8 +190,8 @@ def skinny_gemm(
     n = weight.shape[0]
     if x.shape[1] != (2 * k if gated else k) or weight.stride(1) != 1 or x.stride(1) != 1:
         raise ValueError(f"x [M, K], weight [N, K], K contiguous: got {x.shape}, {weight.shape}")
-    if m > 64:
-        raise ValueError(f"skinny_gemm takes at most 64 rows, got {m}")
+    if m > MAX_ROWS:
+        raise ValueError(f"skinny_gemm takes at most {MAX_ROWS} rows, got {m}")
     fp8 = weight.dtype == torch.float8_e4m3fn
     if fp8 != (x.dtype == torch.float8_e4m3fn) or (
         fp8 and (weight_scale is None or x_scale is None or gated)

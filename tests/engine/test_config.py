@@ -434,6 +434,13 @@ def test_few_row_gemm_rows_is_validated():
     assert "few_row_gemm_tma" not in _cuda(few_row_gemm_rows=0).plan_overrides
 
 
+def test_few_row_fp8_rows_reaches_128():
+    """Our fp8 GEMM takes up to 128 rows (the 80-128 token steps of 64-128 streams)."""
+    assert _cuda(few_row_fp8_rows=128).plan_overrides["few_row_fp8_rows"] == 128
+    with pytest.raises(ConfigError, match="0..128"):
+        _cuda(few_row_fp8_rows=129)
+
+
 def test_codec_autotune_is_validated():
     assert _cuda(codec_autotune=True).plan_overrides == {"codec_autotune": True}
     with pytest.raises(ConfigError, match="codec_autotune needs a CUDA device"):

@@ -84,7 +84,10 @@ def _fp8_weight(n, k, seed):
 
 
 @pytest.mark.parametrize("loads", [{}, {"tma": True}])
-@pytest.mark.parametrize("m, n, k, split", [(1, 48, 64, 1), (5, 64, 80, 3), (16, 32, 128, 2)])
+@pytest.mark.parametrize(
+    "m, n, k, split",
+    [(1, 48, 64, 1), (5, 64, 80, 3), (16, 32, 128, 2), (80, 32, 64, 2), (128, 16, 96, 1)],
+)
 def test_skinny_gemm_over_float8_operands(loads, m, n, k, split):
     """Float8 weight and rows widened in the GEMM and both scales applied to the sums:
     F.linear over the dequantized operands (fp32 out here; bf16 on a GPU below)."""
@@ -105,7 +108,7 @@ def test_skinny_gemm_over_float8_operands(loads, m, n, k, split):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
-@pytest.mark.parametrize("m", [1, 16, 64])
+@pytest.mark.parametrize("m", [1, 16, 64, 80, 128])
 @pytest.mark.parametrize("n, k", [(6144, 2560), (2560, 4096), (19456, 2560), (2560, 9728)])
 @pytest.mark.parametrize("tma", [False, True])
 def test_skinny_fp8_higgs_shapes_in_bf16(m, n, k, tma):

@@ -88,8 +88,8 @@ def test_refuses_what_it_cannot_do():
         skinny_gemm(x, w, counters, block_n=16, split=2)
     with pytest.raises(ValueError, match="int32"):
         skinny_gemm(x, w, counters.long(), block_n=32, split=2)
-    with pytest.raises(ValueError, match="at most 64 rows"):
-        skinny_gemm(torch.zeros(65, 64, device=DEVICE), w, counters)
+    with pytest.raises(ValueError, match="at most 128 rows"):
+        skinny_gemm(torch.zeros(129, 64, device=DEVICE), w, counters)
     with pytest.raises(ValueError, match="K contiguous"):
         skinny_gemm(x, w[:, :48], counters)
     odd = torch.zeros(2, 2 * 36, device=DEVICE)  # the up half at 144 bytes: aligned
@@ -120,6 +120,15 @@ def test_default_tiles_are_the_h200_sweeps_best():
     # on the H200 (227 KB there): three
     assert skinny_tiles(64, 2560, 9728)["num_stages"] == 3
     assert skinny_tiles(64, 6144, 2560)["num_stages"] == 3  # 208 KB: fits
+    # 128 rows: two stages of [64 + 128, 256] tiles and the [64, 128] epilogue (224 KB) do
+    # not fit either: the chunk of columns halves instead
+    assert [skinny_tiles(128, 6144, 2560)[x] for x in ("num_stages", "block_k")] == [2, 128]
+    for m in (65, 80, 96, 128):
+        for _, n, k in HIGGS:
+            for tma in (False, True):
+                t = skinny_tiles(m, n, k, tma)
+                smem = t["num_stages"] * (t["block_n"] + 128) * t["block_k"] * 2
+                assert t["block_m"] == 128 and smem + t["block_n"] * 128 * 4 <= 220 * 1024
     # TMA tiles: the TMA sweep's best at one row for the wide outputs (the others as above)
     tma = {name: skinny_tiles(1, n, k, tma=True) for name, n, k in HIGGS}
     assert [tma["qkv"][x] for x in ("block_n", "block_k", "num_stages")] == [64, 256, 4]
