@@ -260,4 +260,27 @@ MUTANTS = (
         ("tests/engine/test_codec_deferral.py::test_a_chunk_whose_client_runs_short_goes_at_once",),
         "with codec batching on, a chunk waits for its batch while its listener runs out of audio",
     ),
+    Mutant(
+        "fp16-codec-untimed",
+        "engine/plan.py",
+        '    codec_dtype = o.get("codec_dtype", "float16" if autotune else "float32")',
+        '    codec_dtype = o.get("codec_dtype", "float16")',
+        (
+            "tests/engine/test_plan.py::test_the_gpu_codec_is_fp16_only_where_its_algorithms_are_timed",
+        ),
+        "a GPU server without codec graphs runs its codec in fp16 on cuDNN's untimed picks, "
+        "6-10x slower than fp32 at some batch sizes",
+    ),
+    Mutant(
+        "codec-timing-ended-by-another-engine",
+        "engine/codec/codec_graphs.py",
+        "            if _tuners == 0:\n                cudnn.benchmark = _flag_before",
+        "            cudnn.benchmark = _flag_before",
+        (
+            "tests/engine/test_codec_loader.py::"
+            "test_overlapping_autotuned_captures_keep_benchmark_mode_until_the_last_leaves",
+        ),
+        "two engines of one process starting together: the second captures part of its fp16 "
+        "codec untimed, 6-10x slower at some batch sizes",
+    ),
 )
