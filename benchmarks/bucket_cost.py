@@ -1,14 +1,19 @@
 """What a step of each served shape costs the GPU: D decoding sequences (each with about
 `--context` positions of K/V) alone, and beside one prompt chunk of P positions, on the
-full-size shape, one backbone graph replayed (the bucket serving would pick) or, eagerly, the
+full-size shape, one backbone graph replayed (the one serving would pick) or, eagerly, the
 forward itself. The served benchmark prints how many steps replay each bucket (64 decodes and
-a 9-position prompt replay the 80-token graph; 64 and a 246-position one, 320); this prints
-what each costs, and the difference to the decode-only step of the same D, so that levers
-that change the mix (admitting prompts together, our fp8 GEMM above 64 rows) can be judged
-before they are built.
+a 9-position prompt replay the 80-token mixed graph; 64 and a 246-position one, 320); this
+prints what each costs against the decode-only step of the same D. The D decodes alone are
+also replayed through the mixed graph of their bucket: the difference between the two
+decode-only rows is what leaving the decode graph costs (no fused decode attention), the
+rest is the bucket's extra rows. So levers that change the mix (admitting prompts together,
+our fp8 GEMM above 64 rows) can be judged before they are built.
 
     python benchmarks/bucket_cost.py --ckpt DIR [--decodes 64,128,256] [--prompts 0,9,25,246]
         [--context 400] [--set quantization=fp8] [--eager]
+
+GPU time through CUDA events around back-to-back replays; with `--eager` (or on the CPU) the
+figure is the forward's wall time, launch gaps included.
 """
 
 from __future__ import annotations
@@ -52,24 +57,27 @@ def load_batch(runner, q_lens: list[int], ctx_lens: list[int], seed: int = 0) ->
         qsl[b + 1] = t
     lay.view(h, "audio_rows")[: t * 8] = -1
     lay.view(h, "feedback_slot")[:t] = -1
-    for cache in runner.kv_caches:
-        cache.normal_()
+    for cache in runner.kv_caches:  # float8 caches have no normal_(): through bf16
+        cache.copy_(torch.randn(cache.shape, dtype=torch.bfloat16, device=cache.device))
     return t
 
 
-def step_fn(runner, q_lens: list[int], ctx_lens: list[int]):
-    """(the bucket replayed or "eager", a callable that runs the step's backbone once) for
-    the batch, loaded into the runner's buffers."""
+def step_fn(runner, q_lens: list[int], ctx_lens: list[int], mixed: bool = False):
+    """(the graph replayed, e.g. "decode 64" or "mixed 80", or "eager"; a callable that runs
+    the step's backbone once) for the batch, loaded into the runner's buffers. `mixed`: a
+    decode-only batch through the mixed graph of its bucket, as when a prompt is beside it."""
     t = load_batch(runner, q_lens, ctx_lens)
     n, max_q = len(q_lens), max(q_lens)
-    graph = runner.graphs.lookup(t, decode_only=max_q == 1) if runner.graphs else None
+    decode = max_q == 1 and not mixed
+    graph = runner.graphs.lookup(t, decode_only=decode) if runner.graphs else None
     if graph is None:
         runner._copy_inputs()
         max_len = max(q + c for q, c in zip(q_lens, ctx_lens, strict=True))
         return "eager", lambda: runner.forward(t, n, max_q, max_len)
     runner._pad(t, graph.num_tokens, n, graph.num_seqs)
     runner._copy_inputs()
-    return graph.num_tokens, graph.replay
+    kind = "decode" if decode and graph.max_query_len == 1 else "mixed"
+    return f"{kind} {graph.num_tokens}", graph.replay
 
 
 def time_ms(fn, device: torch.device, iters: int, repeats: int = 5) -> float:
@@ -97,31 +105,46 @@ def time_ms(fn, device: torch.device, iters: int, repeats: int = 5) -> float:
     return statistics.median(means)
 
 
-def measure(engine: Engine, decodes: list[int], prompts: list[int], context: int, iters: int):
-    """Rows of (decodes, prompt, tokens, bucket, ms); the decode-only step of each D first."""
+HEADER = "{:>7} {:>6} {:>6} {:>10} {:>9} {:>14} {:>14}".format(
+    "decodes", "prompt", "tokens", "graph", "ms", "+ms vs alone", "us a position"
+)
+
+
+def measure(engine, decodes: list[int], prompts: list[int], context: int, iters: int, out=None):
+    """Rows of (decodes, prompt, tokens, graph, ms): for each D the decode-only step first,
+    then the same decodes through the mixed graph, then beside each prompt. `out`: called
+    with each row's printed line as it is measured (a run cut by its time limit keeps what
+    it printed)."""
     rows = []
     for d in decodes:
-        for p in sorted(set(prompts) | {0}):
+        shapes = [(0, False), (0, True)] + [(p, False) for p in sorted(set(prompts) - {0})]
+        for p, mixed in shapes:
             q_lens = ([p] if p else []) + [1] * d
             ctx_lens = ([0] if p else []) + [context] * d
-            bucket, fn = step_fn(engine.runner, q_lens, ctx_lens)
-            rows.append((d, p, sum(q_lens), bucket, time_ms(fn, engine.device, iters)))
+            graph, fn = step_fn(engine.runner, q_lens, ctx_lens, mixed)
+            if mixed and graph == "eager":
+                continue  # no graphs: the decode-only row already is this forward
+            rows.append((d, p, sum(q_lens), graph, time_ms(fn, engine.device, iters)))
+            if out:
+                out(line(rows[-1], rows[_alone(rows, d)][4]))
     return rows
+
+
+def _alone(rows, d: int) -> int:
+    return next(i for i, r in enumerate(rows) if r[0] == d and r[1] == 0)
+
+
+def line(row, alone_ms: float) -> str:
+    """One row of the table: its ms and what it costs over the decode-only step of its D."""
+    d, p, t, graph, ms = row
+    extra = ms - alone_ms
+    per = f"{extra / p * 1e3:.1f}" if p else "-"
+    return f"{d:>7} {p:>6} {t:>6} {graph:>10} {ms:>9.3f} {extra:>14.3f} {per:>14}"
 
 
 def table(rows) -> list[str]:
     """The printed table: each step's ms and what it costs over its decode-only twin."""
-    alone = {d: ms for d, p, _, _, ms in rows if p == 0}
-    lines = [
-        "{:>7} {:>6} {:>6} {:>6} {:>9} {:>14} {:>14}".format(
-            "decodes", "prompt", "tokens", "bucket", "ms", "+ms vs alone", "us a position"
-        )
-    ]
-    for d, p, t, bucket, ms in rows:
-        extra = ms - alone[d]
-        per = f"{extra / p * 1e3:.1f}" if p else "-"
-        lines.append(f"{d:>7} {p:>6} {t:>6} {bucket!s:>6} {ms:>9.3f} {extra:>14.3f} {per:>14}")
-    return lines
+    return [HEADER] + [line(r, rows[_alone(rows, r[0])][4]) for r in rows]
 
 
 def main() -> None:
@@ -140,7 +163,9 @@ def main() -> None:
     budget = max(512, max(decodes) + max(prompts))
     fields = dict(
         device=args.device,
-        max_num_seqs=max(decodes) + 1,  # the prompt's sequence beside the decodes
+        # the prompt's sequence beside the decodes; at least the served 256, which sizes the
+        # graphs' attention grids (a graph of B tokens launches min(B, max_num_seqs) sequences)
+        max_num_seqs=max(256, max(decodes) + 1),
         max_num_batched_tokens=budget,
         # pages of 16 positions: each decode's context and its new row, and the prompt's
         num_kv_blocks=max(decodes) * (args.context // 16 + 2) + max(prompts) // 16 + 64,
@@ -150,11 +175,13 @@ def main() -> None:
     # the backbone only: the codec has its own benchmark (codec_throughput.py)
     plan = {"codec_graph_max_batch": 0} if args.device.startswith("cuda") else {}
     engine = Engine.from_pretrained(args.ckpt, engine_config(fields, plan, args.set))
-    rows = measure(engine, decodes, prompts, args.context, args.iters)
     name = torch.cuda.get_device_name() if engine.device.type == "cuda" else "CPU"
-    q = engine.config.quantization
-    print(f"\nbackbone step per batch shape, {name}, context ~{args.context}, weights {q}")
-    print("\n".join(table(rows)))
+    print(
+        f"\nbackbone step per batch shape, {name}, context ~{args.context}, "
+        f"{' '.join(args.set) or 'default settings'}"
+    )
+    print(HEADER, flush=True)
+    measure(engine, decodes, prompts, args.context, args.iters, lambda s: print(s, flush=True))
 
 
 if __name__ == "__main__":

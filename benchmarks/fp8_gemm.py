@@ -56,7 +56,7 @@ def _skinny(x8, xs, ws8, counters, kw, ref, label) -> float:
 def _sweep(x8, xs, ws8, counters, ref, m, n, k) -> tuple[float, str]:
     best = (float("inf"), "")
     for bn, bk, stages, warps, tma in SWEEP:
-        auto = skinny_tiles(m, n, k)["split"]
+        auto = skinny_tiles(m, n, k, element_size=1)["split"]
         for split in sorted({max(1, auto // 2), max(1, auto), 2 * max(1, auto)}):
             kw = dict(block_n=bn, block_k=bk, split=split, num_stages=stages, num_warps=warps)
             kw["tma"] = tma
@@ -117,7 +117,7 @@ def _row(x, ws, ws8, counters, sweep: bool) -> tuple:
     ours, best = [float("nan")] * 2, (float("nan"), "")
     if m <= MAX_ROWS:
         for i, tma in enumerate((False, True)):
-            kw = dict(skinny_tiles(m, n, k, tma), tma=tma)
+            kw = dict(skinny_tiles(m, n, k, tma, element_size=1), tma=tma)
             ours[i] = _skinny(x8, xs, ws8, counters, kw, ref, f"default tma={tma}")
         if sweep:
             best = _sweep(x8, xs, ws8, counters, ref, m, n, k)

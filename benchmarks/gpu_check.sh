@@ -26,8 +26,10 @@
 #                processes that many s after ready, in $OUT/dump-NAME.txt (needs py-spy's
 #                wheel in .whl)
 #   STEP_AB      the decode step (eager_step.py) per EngineConfig override set, as LOOP_AB
-#   BUCKETS="none fp8" the backbone step per served batch shape (decodes alone and beside a
-#                prompt chunk: benchmarks/bucket_cost.py) for each weight quantization named
+#   BUCKETS="a b" the backbone step per served batch shape (decodes alone and beside a
+#                prompt chunk: benchmarks/bucket_cost.py) per override set, as STEP_AB, e.g.
+#                "quantization=none quantization=fp8 quantization=fp8+few_row_fp8_rows=128";
+#                BUCKETS_ARGS its other arguments
 #   HOST=1       host work per engine step at C = 64 and 128 (benchmarks/host_cost.py)
 #   GIL_MS="a b" one served start at C = 64 and 128 per GIL switch interval (ms) of the server
 #   NCU=1        Nsight Compute counters of the step's largest kernels (benchmarks/ncu_targets.py,
@@ -152,8 +154,8 @@ fi
 if [ "${STEP:-1}" = 1 ]; then
   timeout 200 python3 benchmarks/eager_step.py --ckpt $CKPT --profile "$OUT/profile.txt" ${STEP_ARGS:-} 2>&1 | tee "$OUT/eager_step.log" | tail -14
 fi
-for q in ${BUCKETS:-}; do
-  timeout 200 python3 benchmarks/bucket_cost.py --ckpt $CKPT --set quantization=$q ${BUCKETS_ARGS:-} 2>&1 | tee "$OUT/bucket_cost-$q.log" | grep -v Warn | tail -17
+for ab in ${BUCKETS:-}; do
+  timeout 200 python3 benchmarks/bucket_cost.py --ckpt $CKPT $(for kv in ${ab//+/ }; do echo --set $kv; done) ${BUCKETS_ARGS:-} 2>&1 | tee "$OUT/bucket_cost-${ab//[^A-Za-z0-9_]/-}.log" | grep -v Warn | tail -20
 done
 # STEP_AB="a b": the decode step again with each override set (as LOOP_AB), no profile
 for ab in ${STEP_AB:-}; do

@@ -141,7 +141,7 @@ class Fp8Ops:
             return scaled_matmul(rows, layer, self.dtype, self.pow2_rows)
         from kernels.skinny_gemm import skinny_gemm, skinny_tiles
 
-        tiles = skinny_tiles(rows.data.shape[0], *layer.weight.shape, self.tma)
+        tiles = skinny_tiles(rows.data.shape[0], *layer.weight.shape, self.tma, element_size=1)
         scales = dict(weight_scale=layer.weight_scale, x_scale=rows.scale, out_dtype=self.dtype)
         return skinny_gemm(rows.data, layer.weight, self.counters, tma=self.tma, **scales, **tiles)
 

@@ -22,7 +22,8 @@ import triton.language as tl
 
 from kernels.launch import hopper_or_later, pdl_enter, pdl_launch
 
-# x tiles of up to 128 rows: a [BN, 128] fp32 accumulator is 64 registers a thread at 4 warps
+# x tiles of up to 128 rows (the fp32 accumulator [BN, 128]: skinny_tiles gives 8 warps from
+# BN = 128, so at most 128 registers a thread)
 MAX_ROWS = 128
 
 
@@ -126,7 +127,7 @@ def tma_supported(device, element_size: int, *row_lengths: int) -> bool:
     return hopper_or_later(device) and all(n * element_size % 16 == 0 for n in row_lengths)
 
 
-def skinny_tiles(m: int, n: int, k: int, tma: bool = False) -> dict:
+def skinny_tiles(m: int, n: int, k: int, tma: bool = False, element_size: int = 2) -> dict:
     """Default tile settings for an `[m, k] @ [n, k]^T` product, from the H200 sweep at one
     row (benchmarks/gemm_shapes.py --ours, docs/perf-log/). Wide outputs (96+ tiles of
     64 weight rows) are not split and stream 256 columns a step; narrow ones with a long K
@@ -134,9 +135,11 @@ def skinny_tiles(m: int, n: int, k: int, tma: bool = False) -> dict:
     the sweep's best setting at each Higgs projection (qkv, o, gate-up, down, audio head).
     With `tma` the wide outputs take the TMA sweep's best at one row instead (qkv: four
     stages; gate-up, 19,456 rows: 128-row tiles of 128 columns, eight warps). Taller x tiles
-    (more than 16 rows) drop pipeline stages to fit the shared memory, and below two stages
-    (128 rows) halve the chunk of columns. The budget reckons two bytes an element for every
-    operand, fp8 too: the measured fp8 defaults up to 64 rows are these tiles."""
+    (more than 16 rows) drop pipeline stages to fit the shared memory, down to two, then
+    halve the chunk of columns. Up to 64 rows the budget reckons two bytes an element, fp8
+    operands too (the measured fp8 defaults are those tiles); above, `element_size` bytes
+    (only fp8 weights take this kernel there), and eight warps where the fp32 accumulator
+    holds 16,384 elements (128 a thread, not 256)."""
     bm = max(16, triton.next_power_of_2(m))
     warps = 4
     if triton.cdiv(n, 64) >= 96 and tma and n >= 16384:
@@ -146,8 +149,11 @@ def skinny_tiles(m: int, n: int, k: int, tma: bool = False) -> dict:
     else:
         bn, bk, stages = (128 if k >= 8192 else 64), 128, 4
         split = max(1, min(triton.cdiv(k, 128), round(k / 1600)))
+    size = element_size if bm > 64 else 2
+    if bn * bm >= 16384:
+        warps = 8
     # each stage holds a weight and an x tile; the epilogue an fp32 [bn, bm] tile
-    while stages * (bn + bm) * bk * 2 + bn * bm * 4 > 220 * 1024:
+    while stages * (bn + bm) * bk * size + bn * bm * 4 > 220 * 1024:
         if stages > 2:
             stages -= 1
         elif bk > 64:

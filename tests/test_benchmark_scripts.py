@@ -85,4 +85,39 @@ def test_bucket_cost_times_every_shape_against_its_decode_only_twin(tiny_ckpt):
     assert list(lay.view(h, "seq_lens")[:3]) == [5, 41, 41]
     tables = lay.view(h, "block_tables").reshape(-1, runner.max_blocks)
     owned = [set(tables[b, : -(-n // config.block_size)]) for b, n in enumerate([5, 41, 41])]
-    assert not (owned[0] & owned[1]) and not (owned[1] & owned[2]) and np.all(pages >= 1)
+    assert not (owned[0] & owned[1] or owned[1] & owned[2] or owned[0] & owned[2])
+    positions = lay.view(h, "positions")[:t]
+    for token, b in enumerate([0] * 5 + [1, 2]):  # each slot lies in its sequence's page
+        assert pages[token] == tables[b, positions[token] // config.block_size]
+    assert np.all(pages >= 1)
+
+
+def test_bucket_cost_replays_the_graph_serving_would_pick(tiny_ckpt, monkeypatch):
+    """The graph path of benchmarks/bucket_cost.py, with the runner's graphs stood in for (no
+    GPU here): decode-only batches ask for the decode graph, then the mixed graph of the same
+    bucket; a prompt beside them the mixed graph; the batch is padded to the graph's tokens
+    and sequences before each replay."""
+    from types import SimpleNamespace
+
+    from benchmarks.bucket_cost import measure
+    from engine import Engine, EngineConfig
+
+    engine = Engine.from_pretrained(tiny_ckpt, EngineConfig(max_num_seqs=9, num_kv_blocks=256))
+    runner, asked, padded, replays = engine.runner, [], [], []
+
+    def lookup(tokens, decode_only):
+        asked.append((tokens, decode_only))
+        bucket = 16 if tokens <= 16 else 32
+        bound = 1 if decode_only else bucket
+        return SimpleNamespace(
+            num_tokens=bucket, num_seqs=9, max_query_len=bound, replay=lambda: replays.append(1)
+        )
+
+    monkeypatch.setattr(runner, "graphs", SimpleNamespace(lookup=lookup))
+    monkeypatch.setattr(runner, "_pad", lambda *args: padded.append(args))
+    lines = []
+    rows = measure(engine, decodes=[8], prompts=[0, 12], context=40, iters=1, out=lines.append)
+    assert asked == [(8, True), (8, False), (20, False)]
+    assert padded == [(8, 16, 8, 9), (8, 16, 8, 9), (20, 32, 9, 9)]
+    assert [r[3] for r in rows] == ["decode 16", "mixed 16", "mixed 32"]
+    assert len(replays) == 3 * (2 + 5) and len(lines) == 3  # untimed twice, five repeats

@@ -118,7 +118,8 @@ def test_skinny_fp8_higgs_shapes_in_bf16(m, n, k, tma):
     x8, x_scale = quantize_rows(torch.randn(m, k, device="cuda").bfloat16())
     counters = torch.zeros(4096, dtype=torch.int32, device="cuda")
     scales = dict(weight_scale=w_scale, x_scale=x_scale, out_dtype=torch.bfloat16)
-    out = skinny_gemm(x8, w8, counters, tma=tma, **scales, **skinny_tiles(m, n, k, tma))
+    tiles = skinny_tiles(m, n, k, tma, element_size=1)  # as engine/quantization.py asks
+    out = skinny_gemm(x8, w8, counters, tma=tma, **scales, **tiles)
     ref = F.linear(x8.float() * x_scale, w8.float() * w_scale.t())
     err = float((out.float() - ref).norm() / ref.norm())
     assert out.dtype == torch.bfloat16 and err < 1e-2, err  # bf16 output rounding only

@@ -120,15 +120,18 @@ def test_default_tiles_are_the_h200_sweeps_best():
     # on the H200 (227 KB there): three
     assert skinny_tiles(64, 2560, 9728)["num_stages"] == 3
     assert skinny_tiles(64, 6144, 2560)["num_stages"] == 3  # 208 KB: fits
-    # 128 rows: two stages of [64 + 128, 256] tiles and the [64, 128] epilogue (224 KB) do
-    # not fit either: the chunk of columns halves instead
+    # 128 rows of two-byte operands: two stages of [64 + 128, 256] tiles and the [64, 128]
+    # epilogue (224 KB) do not fit: the chunk of columns halves instead
     assert [skinny_tiles(128, 6144, 2560)[x] for x in ("num_stages", "block_k")] == [2, 128]
-    for m in (65, 80, 96, 128):
+    # fp8 operands (one byte) above 64 rows: qkv keeps its three stages of 256 columns
+    fp8_qkv = skinny_tiles(128, 6144, 2560, element_size=1)
+    assert [fp8_qkv[x] for x in ("num_stages", "block_k", "num_warps")] == [3, 256, 4]
+    # the down projection's [128, 128] fp32 accumulator takes eight warps
+    assert skinny_tiles(80, 2560, 9728, element_size=1)["num_warps"] == 8
+    for m in range(1, 65):  # the measured fp8 tiles: the element size changes nothing here
         for _, n, k in HIGGS:
             for tma in (False, True):
-                t = skinny_tiles(m, n, k, tma)
-                smem = t["num_stages"] * (t["block_n"] + 128) * t["block_k"] * 2
-                assert t["block_m"] == 128 and smem + t["block_n"] * 128 * 4 <= 220 * 1024
+                assert skinny_tiles(m, n, k, tma, element_size=1) == skinny_tiles(m, n, k, tma)
     # TMA tiles: the TMA sweep's best at one row for the wide outputs (the others as above)
     tma = {name: skinny_tiles(1, n, k, tma=True) for name, n, k in HIGGS}
     assert [tma["qkv"][x] for x in ("block_n", "block_k", "num_stages")] == [64, 256, 4]
