@@ -4,6 +4,7 @@ reference encoder and the voice cache, loaded together from one source."""
 from __future__ import annotations
 
 import hashlib
+import logging
 from pathlib import Path
 
 import torch
@@ -18,6 +19,8 @@ from engine.codec.voice_cache import Frames, VoiceCache
 from engine.config import StreamConfig
 from engine.cuda_graphs import CaptureReport
 from engine.plan import ExecutionPlan
+
+log = logging.getLogger("clonecast.engine")
 
 
 class Codec:
@@ -64,6 +67,13 @@ class Codec:
         graphs = CodecGraphs(
             self.decoder, max_batch, stream.first_chunk_frames, window, ladder=ladder
         )
+        if autotune:  # the longest part of a GPU server's start: say what it is and its remedy
+            log.info(
+                "codec: timing cuDNN's algorithms for %d %s graph shapes (about 0.6 s each on "
+                "an H100; the plan's codec_autotune false starts faster with the fp32 codec)",
+                len(graphs.window_shapes),
+                self.plan.codec_dtype,
+            )
         shared = torch.cuda.graph.default_capture_stream  # the backbone's (see capture_graph)
         if shared is not None and shared == self.chunks.stream:  # torch's pool of 32 wrapped
             self.chunks.stream = torch.cuda.Stream(self.chunks.device)
