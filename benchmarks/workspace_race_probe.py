@@ -7,6 +7,10 @@ outputs that differ from solo replays, and stalls (then prints what it has and e
 (not a race), the floor the other modes are read against.
 
     python benchmarks/workspace_race_probe.py [--iters 200] [--modes solo,separate,shared]
+        [--codec fp16]
+
+The codec is the served one by default (fp16, cuDNN's algorithms timed at capture);
+`--codec fp32` is the untimed fp32 codec these races were first found with.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.checkpoint_writer import write_codec_dir  # noqa: E402
-from engine.codec.codec_graphs import CodecGraphs  # noqa: E402
+from engine.codec.codec_graphs import CodecGraphs, batch_ladder  # noqa: E402
 from engine.codec.config import STANDARD_CODEC_CONFIG  # noqa: E402
 from engine.codec.loader import build_decoder, load_codec_state  # noqa: E402
 from engine.cuda_graphs import capture_graph  # noqa: E402
@@ -70,18 +74,21 @@ def _fit(h: torch.Tensor, k: int) -> torch.Tensor:
     return h.repeat(1, -(-k // h.shape[1]))[:, :k].contiguous()
 
 
-def build(mode: str, backbone: str, device):
-    """(backbone graph, its output, codec graphs, codec codes, codec stream)."""
+def build(mode: str, backbone: str, device, codec: str = "fp16"):
+    """(backbone graph, its output, codec graphs, codec codes, codec stream). `codec`: fp16
+    with timed algorithms (as served by default) or fp32 untimed."""
     with tempfile.TemporaryDirectory() as tmp:
         cfg, state = load_codec_state(write_codec_dir(Path(tmp), STANDARD_CODEC_CONFIG, 9))
-    decoder = build_decoder(cfg, state, device, torch.float32, True, True)
+    timed = codec == "fp16"
+    dtype = torch.float16 if timed else torch.float32
+    decoder = build_decoder(cfg, state, device, dtype, True, True)
     codec_stream = torch.cuda.Stream(device)
-    codec = CodecGraphs(decoder, max_batch=8)
+    graphs = CodecGraphs(decoder, max_batch=8, ladder=batch_ladder(8) if timed else None)
     with torch.inference_mode():
-        codec.capture(stream=codec_stream if mode == "separate" else None)
+        graphs.capture(autotune=timed, stream=codec_stream if mode == "separate" else None)
         graph, out = capture_graph(backbone_fn(backbone, device))
     codes = torch.randint(0, 1024, (8, 8, 33), device=device)
-    return graph, out, codec, codes, codec_stream
+    return graph, out, graphs, codes, codec_stream
 
 
 def race(
@@ -137,12 +144,13 @@ def main() -> None:
     ap.add_argument("--modes", default="solo,separate,shared")
     ap.add_argument("--backbone", default="fp8,bf16")
     ap.add_argument("--stall-s", type=float, default=10.0)
+    ap.add_argument("--codec", choices=("fp16", "fp32"), default="fp16")
     args = ap.parse_args()
     device = torch.device("cuda")
     rows = []
     for mode in args.modes.split(","):  # every backbone's `separate` before any `shared`
         for backbone in args.backbone.split(","):
-            graphs = build("separate" if mode == "solo" else mode, backbone, device)
+            graphs = build("separate" if mode == "solo" else mode, backbone, device, args.codec)
             r = race(*graphs, args.iters, args.stall_s, with_codec=mode != "solo")
             rows.append((backbone, mode, r))
             print(f"{backbone} {mode}: {r}", flush=True)
@@ -150,7 +158,8 @@ def main() -> None:
                 break
         if rows and rows[-1][2]["stalled"]:
             break
-    print(f"\nconcurrent graph replays, {torch.cuda.get_device_name()}, {ROWS} rows, codec 8x33")
+    name = torch.cuda.get_device_name()
+    print(f"\nconcurrent graph replays, {name}, {ROWS} rows, {args.codec} codec 8x33")
     head = ("backbone", "capture", "iters", "backbone bad", "max diff", "1st diff", "codec bad")
     print("{:<9}{:<10}{:>6}{:>14}{:>10}{:>10}{:>11}   max ms  stalled".format(*head))
     for backbone, mode, r in rows:
