@@ -142,11 +142,6 @@ def line(row, alone_ms: float) -> str:
     return f"{d:>7} {p:>6} {t:>6} {graph:>10} {ms:>9.3f} {extra:>14.3f} {per:>14}"
 
 
-def table(rows) -> list[str]:
-    """The printed table: each step's ms and what it costs over its decode-only twin."""
-    return [HEADER] + [line(r, rows[_alone(rows, r[0])][4]) for r in rows]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ckpt", required=True)

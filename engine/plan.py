@@ -223,9 +223,8 @@ def resolve(config, model_config, device) -> ExecutionPlan:
     codec_dtype = o.get("codec_dtype", "float16" if autotune else "float32")
     if cuda and codec_dtype != "float32" and not autotune:
         log.warning(
-            "codec in %s without timed cuDNN algorithms (the plan's codec_autotune, "
-            "with codec graphs): "
-            "some batch sizes run 6-10x slower than in float32",
+            "codec in %s without timed cuDNN algorithms (the plan's codec_autotune, with "
+            "codec graphs): some batch sizes run 6-10x slower than in float32",
             codec_dtype,
         )
     return ExecutionPlan(
