@@ -4,6 +4,8 @@
 # to /tmp/full-codec. Parts, by environment variable:
 #   ATTN=1       the attention kernel sweep (benchmarks/attention_shapes.py)
 #   GEMM=1       the cuBLAS GEMM table (GEMM_B: batch sizes, GEMM_ARGS e.g. --tunable)
+#   FP8_GEMM=1   the fp8 projections: our few-row GEMM against torch._scaled_mm
+#                (benchmarks/fp8_gemm.py; FP8_GEMM_ARGS e.g. "--batches 64,80,96,128 --sweep")
 #   RACE=1       backbone and codec graphs replayed concurrently, captured on one stream or
 #                two (benchmarks/workspace_race_probe.py, RACE_ARGS its arguments)
 #   SKIP_CODEC=1 skips the codec throughput table (CODEC_ARGS: its arguments)
@@ -72,6 +74,9 @@ if [ "${NCU:-0}" = 1 ]; then
 fi
 if [ "${GEMM:-0}" = 1 ]; then
   timeout ${GEMM_LIMIT:-200} python3 benchmarks/gemm_shapes.py --batches ${GEMM_B:-1,64,128} ${GEMM_ARGS:-} 2>&1 | tee "$OUT/gemm.log" | grep -v "^(" | tail -32
+fi
+if [ "${FP8_GEMM:-0}" = 1 ]; then
+  timeout ${FP8_GEMM_LIMIT:-120} python3 benchmarks/fp8_gemm.py ${FP8_GEMM_ARGS:-} 2>&1 | tee "$OUT/fp8_gemm.log" | tail -40
 fi
 if [ "${RACE:-0}" = 1 ]; then
   timeout ${RACE_LIMIT:-150} python3 benchmarks/workspace_race_probe.py ${RACE_ARGS:-} 2>&1 | tee "$OUT/race.log" | tail -8
