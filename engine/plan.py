@@ -30,9 +30,11 @@ DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, *range(80, 513, 16), *range(544, 1025, 32))
 DEFAULT_FEW_ROW_GEMM_ROWS = 16  # at 64 rows cuBLAS is faster on the H200
 # fp8 weights: steps up to this many tokens take our GEMM over float8 operands, larger ones
-# torch._scaled_mm (measured on the H200: docs/perf-log/2026-12-02-session-14.md); up to 128
-# may be set (the 80-128 token steps of 64-128 streams), not yet measured
-DEFAULT_FEW_ROW_FP8_ROWS = 64
+# torch._scaled_mm. On the H200 ours is faster at every width up to 128 rows (64 rows:
+# docs/perf-log/2026-12-02-session-14.md; 80-128: 2026-12-06-session-27.md), and a step of
+# 64 decodes beside a short prompt (the 80-token graph) takes 0.34 ms less; the largest
+# tile the kernel takes is 128 rows (kernels/skinny_gemm.MAX_ROWS)
+DEFAULT_FEW_ROW_FP8_ROWS = 128
 DEFAULT_CODEC_GRAPH_BATCH = 64  # a step rarely completes more windows
 FOLLOW_EAGER = ("cuda_graphs", "sampler_graphs")  # set by enforce_eager, never overridden
 

@@ -9,8 +9,8 @@ slab through a pipelined loop, and the last program of an output tile to finish 
 an atomic) adds the partials in split order, so the result does not depend on which program
 finished last. Measured on the H200 it beats cuBLAS at one row and not at 64 rows
 (docs/perf-log/), so the engine uses it for steps of up to 16 tokens, with TMA tiles on
-Hopper; over float8 operands it beats torch._scaled_mm at 64 rows, so fp8 weights take it up
-to 64 rows by default (65-128 rows: the plan's few_row_fp8_rows, not yet measured).
+Hopper; over float8 operands it beats torch._scaled_mm at 64 to 128 rows, so fp8 weights take
+it up to 128 rows by default (the plan's few_row_fp8_rows).
 Tensors in, tensor out; the reference is `F.linear`.
 """
 

@@ -134,3 +134,24 @@ def test_a_half_precision_codec_without_timing_is_warned_about(tiny_ckpt, monkey
         "with codec graphs): "
         "some batch sizes run 6-10x slower than in float32"
     ]
+
+
+@pytest.mark.parametrize(
+    "quantization, overrides, want",
+    [("fp8", {}, 128), ("fp8", {"few_row_fp8_rows": 64}, 64), ("none", {}, 0)],
+)
+def test_fp8_steps_of_up_to_128_tokens_take_our_gemm_on_the_gpu(
+    tiny_ckpt, monkeypatch, quantization, overrides, want
+):
+    """On the H200 our GEMM over float8 operands beats torch._scaled_mm at every Higgs
+    projection up to 128 rows, the most its tiles take: fp8 weights on a GPU route steps of
+    up to 128 tokens through it; bf16 weights never do. Resolved for a GPU without one."""
+    import engine.plan as plan_module
+    from kernels.skinny_gemm import MAX_ROWS
+
+    monkeypatch.setattr(plan_module, "resolve_pdl", lambda setting, fused, device: False)
+    monkeypatch.setattr(plan_module, "resolve_tma", lambda *args: False)
+    _, model_config = read_config(tiny_ckpt)
+    config = EngineConfig(device="cuda", quantization=quantization, plan_overrides=overrides)
+    plan = resolve(config, model_config, torch.device("cuda"))
+    assert plan.few_row_fp8_rows == want and plan_module.DEFAULT_FEW_ROW_FP8_ROWS == MAX_ROWS
