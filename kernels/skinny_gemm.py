@@ -136,10 +136,12 @@ def skinny_tiles(m: int, n: int, k: int, tma: bool = False, element_size: int = 
     With `tma` the wide outputs take the TMA sweep's best at one row instead (qkv: four
     stages; gate-up, 19,456 rows: 128-row tiles of 128 columns, eight warps). Taller x tiles
     (more than 16 rows) drop pipeline stages to fit the shared memory, down to two, then
-    halve the chunk of columns. Up to 64 rows the budget reckons two bytes an element, fp8
-    operands too (the measured fp8 defaults are those tiles); above, `element_size` bytes
-    (only fp8 weights take this kernel there), and eight warps where the fp32 accumulator
-    holds 16,384 elements (128 a thread, not 256)."""
+    halve the chunk of columns. Up to 32 rows the budget reckons two bytes an element, fp8
+    operands too (the measured fp8 defaults are those tiles). fp8 operands in 64- and
+    128-row tiles take the fp8 sweep's winners where it found better (`_fp8_sweep_tiles`);
+    elsewhere `element_size` bytes above 64 rows (only fp8 weights take this kernel there),
+    and eight warps where the fp32 accumulator holds 16,384 elements (128 a thread, not
+    256)."""
     bm = max(16, triton.next_power_of_2(m))
     warps = 4
     if triton.cdiv(n, 64) >= 96 and tma and n >= 16384:
@@ -149,6 +151,10 @@ def skinny_tiles(m: int, n: int, k: int, tma: bool = False, element_size: int = 
     else:
         bn, bk, stages = (128 if k >= 8192 else 64), 128, 4
         split = max(1, min(triton.cdiv(k, 128), round(k / 1600)))
+    if element_size == 1 and bm >= 64:
+        swept = _fp8_sweep_tiles(bm, n, k, tma)
+        if swept is not None:
+            return swept
     size = element_size if bm > 64 else 2
     if bn * bm >= 16384:
         warps = 8
@@ -161,6 +167,27 @@ def skinny_tiles(m: int, n: int, k: int, tma: bool = False, element_size: int = 
         else:
             break
     return dict(block_m=bm, block_n=bn, block_k=bk, split=split, num_warps=warps, num_stages=stages)
+
+
+def _fp8_sweep_tiles(bm: int, n: int, k: int, tma: bool) -> dict | None:
+    """Tiles for float8 operands in 64- and 128-row tiles (33-128 rows): the H200 sweep's
+    winners (benchmarks/fp8_gemm.py --sweep, docs/perf-log/2026-12-06-session-27.md), each
+    8-30% faster than the two-byte rules above: narrow outputs (o, down) and qkv stream
+    64-row weight slabs of 256 columns in four stages (qkv in 64-row tiles: 512 columns, three),
+    the narrow ones split in three; gate-up's TMA tiles take four warps and four stages at
+    64 rows. They fit the shared memory in fp8 bytes (each compiled and ran there). None where
+    the rules above won or nothing was measured (gate-up at 128 rows or without TMA, narrow
+    K)."""
+    if k < 2048:  # measured at the Higgs widths (K 2,560 to 9,728) only
+        return None
+    wide = triton.cdiv(n, 64) >= 96
+    if wide and n >= 16384:  # gate-up
+        if bm == 64 and tma:
+            return dict(block_m=64, block_n=128, block_k=128, split=1, num_warps=4, num_stages=4)
+        return None
+    bk, stages = (512, 3) if wide and bm == 64 else (256, 4)
+    split = 1 if wide else 3
+    return dict(block_m=bm, block_n=64, block_k=bk, split=split, num_warps=4, num_stages=stages)
 
 
 def skinny_gemm(

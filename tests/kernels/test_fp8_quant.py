@@ -106,6 +106,24 @@ def test_skinny_gemm_over_float8_operands(loads, m, n, k, split):
         skinny_gemm(x8.float(), w8, counters, **scales, **knobs)
 
 
+@pytest.mark.parametrize("m, n, k", [(40, 128, 2560), (100, 64, 4096)])
+def test_skinny_gemm_with_the_swept_fp8_tiles(m, n, k):
+    """The engine's tiles for float8 operands at 33-128 rows (256-column chunks in four
+    stages, K split in three) at the Higgs widths: the same sums as the dequantized product."""
+    from kernels.skinny_gemm import skinny_tiles
+
+    tiles = skinny_tiles(m, n, k, element_size=1)
+    assert (tiles["block_k"], tiles["num_stages"], tiles["split"]) == (256, 4, 3)
+    w8, w_scale = _fp8_weight(n, k, seed=m)
+    x8, x_scale = quantize_rows(torch.randn(m, k, device=DEVICE))
+    counters = torch.zeros(8, dtype=torch.int32, device=DEVICE)
+    scales = dict(weight_scale=w_scale, x_scale=x_scale, out_dtype=torch.float32)
+    out = skinny_gemm(x8, w8, counters, **scales, **tiles)
+    ref = F.linear(x8.float() * x_scale, w8.float() * w_scale.t())
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert int(counters.abs().sum()) == 0
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 @pytest.mark.parametrize("m", [1, 16, 64, 80, 128])

@@ -123,12 +123,27 @@ def test_default_tiles_are_the_h200_sweeps_best():
     # 128 rows of two-byte operands: two stages of [64 + 128, 256] tiles and the [64, 128]
     # epilogue (224 KB) do not fit: the chunk of columns halves instead
     assert [skinny_tiles(128, 6144, 2560)[x] for x in ("num_stages", "block_k")] == [2, 128]
-    # fp8 operands (one byte) above 64 rows: qkv keeps its three stages of 256 columns
-    fp8_qkv = skinny_tiles(128, 6144, 2560, element_size=1)
-    assert [fp8_qkv[x] for x in ("num_stages", "block_k", "num_warps")] == [3, 256, 4]
-    # the down projection's [128, 128] fp32 accumulator takes eight warps
-    assert skinny_tiles(80, 2560, 9728, element_size=1)["num_warps"] == 8
-    for m in range(1, 65):  # the measured fp8 tiles: the element size changes nothing here
+
+    # fp8 operands (one byte) in 64- and 128-row tiles: the fp8 sweep's winners on the H200
+    # (docs/perf-log/2026-12-06-session-27.md), by projection and tile height
+    def fp8(m, n, k, tma=True):
+        t = skinny_tiles(m, n, k, tma, element_size=1)
+        return t["block_n"], t["block_k"], t["num_stages"], t["num_warps"], t["split"]
+
+    for m in (33, 64):
+        assert fp8(m, 6144, 2560) == (64, 512, 3, 4, 1)  # qkv
+        assert fp8(m, 2560, 4096) == fp8(m, 2560, 9728) == (64, 256, 4, 4, 3)  # o, down
+        assert fp8(m, 19456, 2560) == (128, 128, 4, 4, 1)  # gate-up, TMA
+    for m in (65, 80, 128):
+        assert fp8(m, 6144, 2560) == (64, 256, 4, 4, 1)
+        assert fp8(m, 2560, 4096) == fp8(m, 2560, 9728) == (64, 256, 4, 4, 3)
+        # gate-up at 128 rows: the two-byte rule's tiles won; its [128, 128] fp32
+        # accumulator takes eight warps
+        assert fp8(m, 19456, 2560) == (128, 128, 3, 8, 1)
+    # the two-byte rules where nothing was swept in fp8: gate-up without TMA, narrow K
+    assert skinny_tiles(64, 19456, 2560, element_size=1) == skinny_tiles(64, 19456, 2560)
+    assert skinny_tiles(64, 256, 1024, element_size=1) == skinny_tiles(64, 256, 1024)
+    for m in range(1, 33):  # 16- and 32-row tiles: the element size changes nothing
         for _, n, k in HIGGS:
             for tma in (False, True):
                 assert skinny_tiles(m, n, k, tma, element_size=1) == skinny_tiles(m, n, k, tma)
