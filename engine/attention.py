@@ -172,6 +172,7 @@ class TritonAttention(_StoreThenAttend):
         super().__init__(plan)
         self.fuse_decode = self.plan.fused_decode  # one launch: decode steps that do not split
         self.prefetch_pages = self.plan.page_prefetch  # page ids a tile ahead (one-pass)
+        self.flat_grid = self.plan.flat_attention_grid  # mixed steps: no empty programs
 
     @staticmethod
     def store(k, v, kv_cache, slots):
@@ -193,8 +194,9 @@ class TritonAttention(_StoreThenAttend):
     def _mixed_knobs(self) -> dict:
         """Tiles of launches with prefill rows: with `prefetch_pages`, the kernel's 64-key
         tiles with page ids read a tile ahead (the H200 sweep's best for mixed steps;
-        docs/perf-log/)."""
-        return dict(block_n=64, num_stages=3, prefetch_pages=True) if self.prefetch_pages else {}
+        docs/perf-log/); with `flat_grid`, one program per query block that can exist."""
+        knobs = dict(block_n=64, num_stages=3, prefetch_pages=True) if self.prefetch_pages else {}
+        return knobs | ({"flat_grid": True} if self.flat_grid else {})
 
     def fuses_decode(self, meta, kv_cache) -> bool:
         """Decode-only steps that run the one-pass kernel (enough sequences not to split)."""

@@ -51,6 +51,10 @@ class ExecutionPlan:
     # one launch per layer (needs fused ops and the Triton backend)
     fused_decode: bool = False
     page_prefetch: bool = False  # Triton attention reads page ids a tile ahead (pipelined)
+    # Triton attention of mixed steps launches one program per query block that can exist
+    # (kernels/paged_attention.py, flat_grid), not sequences x blocks of the longest query:
+    # the graph of 64 decodes beside a prompt stops launching thousands of empty programs
+    flat_attention_grid: bool = False
     pdl: bool = False  # programmatic dependent launch of the forward's Triton kernels
     few_row_gemm_rows: int = 0  # projections of steps up to this many tokens: our GEMM
     few_row_gemm_tma: bool = False  # ... fetching tiles with TMA tensor descriptors
@@ -119,6 +123,10 @@ def check_overrides(overrides: Mapping[str, object], device: str) -> None:
         (
             o.get("page_prefetch") is True and backend in ("torch", "varlen", "flash"),
             "page_prefetch is a setting of the Triton attention backend",
+        ),
+        (
+            o.get("flat_attention_grid") is True and backend in ("torch", "varlen", "flash"),
+            "flat_attention_grid is a setting of the Triton attention backend",
         ),
         (
             o.get("pdl") is True and (cpu or not fused),
@@ -199,10 +207,9 @@ def resolve(config, model_config, device) -> ExecutionPlan:
     backend = o.get("attention_backend", "triton" if cuda else "torch")
     fused = o.get("fused_ops", cuda)
     triton = backend == "triton"
-    if o.get("page_prefetch") is True and not triton:
-        raise ConfigError(
-            f"page_prefetch is a setting of the Triton attention backend, not {backend}"
-        )
+    for name in ("page_prefetch", "flat_attention_grid"):
+        if o.get(name) is True and not triton:
+            raise ConfigError(f"{name} is a setting of the Triton attention backend, not {backend}")
     item = resolve_dtype(config.dtype, device).itemsize  # bytes of an activation
     rows = o.get("few_row_gemm_rows", DEFAULT_FEW_ROW_GEMM_ROWS if fused else 0)
     codec_batch = o.get(
@@ -234,6 +241,7 @@ def resolve(config, model_config, device) -> ExecutionPlan:
         fused_ops=fused,
         fused_decode=o.get("fused_decode", fused and triton),
         page_prefetch=o.get("page_prefetch", triton),
+        flat_attention_grid=o.get("flat_attention_grid", False),
         pdl=resolve_pdl(o.get("pdl"), fused, device),
         few_row_gemm_rows=rows,
         few_row_fp8_rows=o.get(

@@ -59,6 +59,24 @@ def _program_ids(HEADS_FIRST: tl.constexpr):
 
 
 @triton.jit
+def _flat_program_ids(qsl_ptr, num_seqs, BLOCK_M: tl.constexpr):
+    """(sequence, query block, KV head) of a program of the flat grid (query blocks of all
+    sequences, KV heads). Sequence s owns the programs from qsl[s] // BLOCK_M + s on: at
+    least its cdiv(q_len, BLOCK_M) blocks, and never another sequence's, so every query
+    block has a program whatever the lengths. Found by binary search over query_start_loc:
+    the last s whose first program is at or before this one."""
+    block = tl.program_id(0)
+    lo, hi = 0, num_seqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if tl.load(qsl_ptr + mid) // BLOCK_M + mid <= block:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo, block - (tl.load(qsl_ptr + lo) // BLOCK_M + lo), tl.program_id(1)
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr,
     k_ptr,
@@ -76,6 +94,7 @@ def _paged_attention_kernel(
     stride_ks,
     stride_kh,
     stride_bt,
+    num_seqs,  # FLAT only
     qkv_ptr,  # FUSED only, like the six below (the q/k-norm + RoPE kernel's inputs)
     qw_ptr,
     kw_ptr,
@@ -96,10 +115,14 @@ def _paged_attention_kernel(
     HKV: tl.constexpr,
     FUSED_ROWS: tl.constexpr,
     PREFETCH: tl.constexpr,  # page ids read one tile ahead (see the loop)
+    FLAT: tl.constexpr,  # grid (query blocks of all sequences, KV heads): _flat_program_ids
     PDL: tl.constexpr,
 ):
     pdl_enter(PDL)
-    seq, mblock, kv_head = _program_ids(HEADS_FIRST)
+    if FLAT:
+        seq, mblock, kv_head = _flat_program_ids(qsl_ptr, num_seqs, BLOCK_M)
+    else:
+        seq, mblock, kv_head = _program_ids(HEADS_FIRST)
     q_start = tl.load(qsl_ptr + seq)
     q_len = tl.load(qsl_ptr + seq + 1) - q_start
     if mblock * BLOCK_M >= q_len:
@@ -239,14 +262,19 @@ def paged_attention(
     k_rows: bool = True,
     heads_first: bool = False,
     prefetch_pages: bool = False,
+    flat_grid: bool = False,
 ) -> torch.Tensor:
     """Attention of every query row over its sequence's paged K/V; returns `[T, Hq, D]`.
     block_n / num_warps / num_stages / k_rows / heads_first (grid order) / prefetch_pages
     (each tile's page ids read one iteration ahead) are tuning knobs
     (benchmarks/attention_shapes.py); block_n is rounded up to a whole page. A mixed batch is
     one launch: decode rows take a tall tile too (splitting them into a second launch of
-    small tiles was slower on the H200; docs/perf-log/)."""
-    knobs = (block_n, num_warps, num_stages, k_rows, heads_first, prefetch_pages)
+    small tiles was slower on the H200; docs/perf-log/).
+    `flat_grid`: one program per query block that can exist, cdiv(T, block) + sequences of
+    them (T = q's rows), instead of sequences x cdiv(max_query_len, block): a 256-token graph
+    of 256 decodes launches 272 programs a KV head, not 4,096 of which 3,840 return at once.
+    The launch then depends on no query bound (heads_first does not apply)."""
+    knobs = (block_n, num_warps, num_stages, k_rows, heads_first, prefetch_pages, flat_grid)
     args = (q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale)
     return _launch(*args, max_query_len, out, None, knobs)
 
@@ -288,7 +316,7 @@ def paged_decode_attention_fused(
     q = torch.empty(t, num_heads, d, dtype=qkv.dtype, device=qkv.device)
     fused = (qkv, q_weight, k_weight, cos, sin, positions, slots, eps)
     args = (q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale)
-    knobs = (block_n, num_warps, num_stages, k_rows, heads_first, prefetch_pages)
+    knobs = (block_n, num_warps, num_stages, k_rows, heads_first, prefetch_pages, False)
     return _launch(*args, 1, out, fused, knobs)
 
 
@@ -314,8 +342,11 @@ def _launch(
         out = torch.empty_like(q)
     block_m = query_block_size(max_query_len, group)
     mblocks = triton.cdiv(max(max_query_len, 1), block_m)
-    block_n, num_warps, num_stages, k_rows, heads_first, prefetch = knobs
-    grid = (hkv, mblocks, num_seqs) if heads_first else (num_seqs, mblocks, hkv)
+    block_n, num_warps, num_stages, k_rows, heads_first, prefetch, flat = knobs
+    if flat:
+        grid = (triton.cdiv(q.shape[0], block_m) + num_seqs, hkv)
+    else:
+        grid = (hkv, mblocks, num_seqs) if heads_first else (num_seqs, mblocks, hkv)
     # the fused prologue's inputs; unused (any tensor) without it
     qkv, qw, kw, cos, sin, positions, slots, eps = fused or (q,) * 7 + (0.0,)
     _paged_attention_kernel[grid](
@@ -335,6 +366,7 @@ def _launch(
         k_cache.stride(1),
         k_cache.stride(2),
         block_tables.stride(0),
+        num_seqs,
         qkv,
         qw,
         kw,
@@ -355,6 +387,7 @@ def _launch(
         HKV=hkv,
         FUSED_ROWS=triton.next_power_of_2(group + 2),
         PREFETCH=prefetch,
+        FLAT=flat,
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl_launch(),

@@ -290,6 +290,21 @@ def test_attention_prefetch_pages_gives_the_same_rows(tiny_ckpt):
 
 
 @pytest.mark.cuda
+def test_the_flat_attention_grid_gives_the_same_rows(tiny_ckpt):
+    """The plan's `flat_attention_grid`: mixed steps launch one program per query block that
+    can exist instead of sequences x blocks of the bucket's bound; each program computes
+    what it did before, so the seeded rows equal those without it, graphed and eager."""
+    base = dict(device="cuda", dtype="bfloat16", max_num_seqs=8, num_kv_blocks=512)
+    rows = {}
+    for flat in (False, True):
+        for graphs in (True, False):
+            overrides = {"flat_attention_grid": flat}
+            config = dict(plan_overrides=overrides, enforce_eager=not graphs, **base)
+            rows[flat, graphs] = _seeded_rows(tiny_ckpt, "a flat grid", 70, 30, config)
+    assert rows[True, True] == rows[False, True] and rows[True, False] == rows[False, False]
+
+
+@pytest.mark.cuda
 def test_fp8_kv_cache_graphs_equal_eager_and_double_the_blocks(tiny_ckpt):
     """`kv_cache_dtype="fp8"`: float8 caches, twice the blocks in the same memory, and the
     graphed engine samples the eager engine's rows (same kernels, same rounding)."""

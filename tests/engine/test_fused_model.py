@@ -39,6 +39,7 @@ def _run(
     skinny_rows: int = 0,
     skinny_loads: dict | None = None,
     prefetch: bool = False,
+    flat: bool = False,
 ):
     torch.manual_seed(0)
     plan = ExecutionPlan(
@@ -46,6 +47,7 @@ def _run(
         fused_ops=fused,
         fused_decode=fuse_decode,
         page_prefetch=prefetch,  # the one-pass kernel reads page ids a tile ahead
+        flat_attention_grid=flat,  # the mixed step's launch: one program per query block
         few_row_gemm_rows=skinny_rows,
         few_row_gemm_tma=(skinny_loads or {}).get("tma", False),
     )
@@ -94,15 +96,16 @@ def _run(
 # and may overflow downstream under the interpreter; they are never read.
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 @pytest.mark.parametrize(
-    "backend, fuse_decode, prefetch",
+    "backend, fuse_decode, prefetch, flat",
     [
-        ("torch", False, False),
-        ("triton", False, False),
-        ("triton", True, False),
-        ("triton", True, True),
+        ("torch", False, False, False),
+        ("triton", False, False, False),
+        ("triton", True, False, False),
+        ("triton", True, True, False),
+        ("triton", True, True, True),
     ],
 )
-def test_fused_ops_equal_torch_ops(backend, fuse_decode, prefetch, monkeypatch):
+def test_fused_ops_equal_torch_ops(backend, fuse_decode, prefetch, flat, monkeypatch):
     from engine.attention import TritonAttention
 
     ref_hidden, ref_caches = _run(False, "torch")
@@ -111,7 +114,7 @@ def test_fused_ops_equal_torch_ops(backend, fuse_decode, prefetch, monkeypatch):
     monkeypatch.setattr(
         TritonAttention, "decode_fused", lambda self, *a: calls.append(1) or original(self, *a)
     )
-    hidden, caches = _run(True, backend, fuse_decode, prefetch=prefetch)
+    hidden, caches = _run(True, backend, fuse_decode, prefetch=prefetch, flat=flat)
     assert len(calls) == (CFG.num_layers if fuse_decode else 0)  # the decode step, every layer
     torch.testing.assert_close(hidden, ref_hidden, rtol=1e-5, atol=1e-5)
     for cache, ref in zip(caches, ref_caches, strict=True):

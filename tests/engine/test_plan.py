@@ -155,3 +155,16 @@ def test_fp8_steps_of_up_to_128_tokens_take_our_gemm_on_the_gpu(
     config = EngineConfig(device="cuda", quantization=quantization, plan_overrides=overrides)
     plan = resolve(config, model_config, torch.device("cuda"))
     assert plan.few_row_fp8_rows == want and plan_module.DEFAULT_FEW_ROW_FP8_ROWS == MAX_ROWS
+
+
+def test_the_flat_attention_grid_is_a_triton_setting(tiny_ckpt):
+    """Off by default (not yet measured on a GPU); it reaches the Triton backend's mixed
+    launches, and asking it of another backend is refused."""
+    _, model_config = read_config(tiny_ckpt)
+    assert resolve(EngineConfig(), model_config, CPU).flat_attention_grid is False
+    overrides = {"attention_backend": "triton", "flat_attention_grid": True}
+    plan = resolve(EngineConfig(plan_overrides=overrides), model_config, CPU)
+    assert plan.flat_attention_grid and TritonAttention(plan)._mixed_knobs()["flat_grid"]
+    assert "flat_grid" not in TritonAttention(plan)._decode_knobs()
+    with pytest.raises(ConfigError, match="flat_attention_grid is a setting of the Triton"):
+        EngineConfig(plan_overrides={"attention_backend": "torch", "flat_attention_grid": True})

@@ -106,6 +106,37 @@ def test_a_too_small_launch_bound_leaves_long_queries_uncomputed():
     assert torch.isfinite(out).all()
 
 
+@pytest.mark.parametrize("q_lens, ctx_lens", CPU_CASES + [([0, 1, 0, 0], [0, 3, 0, 0])])
+@pytest.mark.parametrize("bound", ["max", "tokens"])
+def test_the_flat_grid_computes_what_the_sequence_grid_does(q_lens, ctx_lens, bound):
+    """The flat grid (one program per query block that can exist, each finding its sequence
+    by binary search) writes the same rows, bit for bit, as one program per (sequence,
+    query block), with the query bound of the batch or of a captured bucket (its token
+    count); runs of padding sequences, first, inside and last, own a program each that
+    returns at once."""
+    device = "cuda" if GPU else "cpu"
+    q, k, v, meta = make_batch(q_lens, ctx_lens, 8, 2, 32, 16, torch.float32, device, seed=5)
+    max_q = max(q_lens) if bound == "max" else q.shape[0]
+    ref = torch.full_like(q, float("nan"))
+    paged_attention(q, k, v, *meta, 32**-0.5, max(max_q, 1), out=ref)
+    out = torch.full_like(q, float("nan"))
+    paged_attention(q, k, v, *meta, 32**-0.5, max(max_q, 1), out=out, flat_grid=True)
+    assert torch.equal(out, ref)
+
+
+def test_the_flat_grid_needs_no_query_bound():
+    """Where the sequence grid sized for short queries leaves a long one's later blocks
+    uncomputed (the capture-bound hazard above), the flat grid, sized from the rows of q,
+    computes them all."""
+    device = "cuda" if GPU else "cpu"
+    q_lens = [2 * query_block_size(1, 2) + 3, 1, 0]
+    q, k, v, meta = make_batch(q_lens, [4, 9, 0], 4, 2, 16, 4, torch.float32, device)
+    out = torch.full_like(q, float("nan"))
+    paged_attention(q, k, v, *meta, 0.25, max_query_len=1, out=out, flat_grid=True)
+    ref = paged_attention_reference(q, k, v, *meta, 0.25)
+    assert torch.isfinite(out).all() and rel_err(out, ref) <= (3e-3 if GPU else 1e-5)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize(
     "q_lens, ctx_lens",
@@ -118,12 +149,13 @@ def test_a_too_small_launch_bound_leaves_long_queries_uncomputed():
 )
 @pytest.mark.parametrize("bound", [0, 256])  # 0: max(q_lens); 256: a captured bucket's bound
 @pytest.mark.parametrize("layout", ["nhd", "hnd"])
-def test_kernel_matches_reference_higgs_shape_bf16(q_lens, ctx_lens, bound, layout):
+@pytest.mark.parametrize("flat", [False, True])
+def test_kernel_matches_reference_higgs_shape_bf16(q_lens, ctx_lens, bound, layout, flat):
     q, k, v, meta = make_batch(q_lens, ctx_lens, 32, 8, 128, 16, torch.bfloat16, "cuda")
     if layout == "hnd":
         k, v = (_head_major(x) for x in (k, v))
     out = torch.full_like(q, float("nan"))
-    paged_attention(q, k, v, *meta, 128**-0.5, bound or max(q_lens), out=out)
+    paged_attention(q, k, v, *meta, 128**-0.5, bound or max(q_lens), out=out, flat_grid=flat)
     ref = paged_attention_reference(q, k, v, *meta, 128**-0.5)
     assert torch.isfinite(out).all()
     assert rel_err(out, ref) <= 1e-2
