@@ -66,8 +66,10 @@ ATTENTION_TYPES = {
 # the batch-64 decode launch: the fused one-pass kernel at the engine's default knobs
 DECODE = dict(
     G=4, D=128, PAGE=16, BLOCK_M=4, BLOCK_N=64, K_ROWS=True, HEADS_FIRST=False, FUSED=True,
-    HQ=32, HKV=8, FUSED_ROWS=8, PDL=True,
+    HQ=32, HKV=8, FUSED_ROWS=8, FLAT=False, PDL=True,
 )  # fmt: skip
+# a mixed step's launch over the flat grid (plan flat_attention_grid): 16-token query tiles
+MIXED_FLAT = dict(DECODE, BLOCK_M=16, FUSED=False, FLAT=True, PREFETCH=True)
 
 # the split-KV decode launch (batches of up to 16 sequences) at its default tiles
 SPLIT_DECODE = dict(
@@ -128,6 +130,10 @@ def _compile_cases() -> dict[str, int]:
             constexprs = {**SPLIT_DECODE, "PREFETCH": prefetch}
             kernel = compile_sm90(_decode_split_kernel, SPLIT_TYPES, constexprs, 4, stages)
             out[f"split prefetch={prefetch} stages={stages}"] = kernel.metadata.shared
+    for label, extra in (("", {}), (" one sequence", {"num_seqs": 1})):
+        # Triton passes an integer argument of 1 as a constant: the search loop compiles then too
+        kernel = compile_sm90(_paged_attention_kernel, ATTENTION_TYPES, MIXED_FLAT | extra, 4, 3)
+        out[f"flat{label}"] = kernel.metadata.shared
     return out
 
 
@@ -173,6 +179,14 @@ def test_page_prefetch_lets_the_attention_loop_pipeline(compiled):
     assert shared["prefetch=False stages=3"] == shared["prefetch=False stages=4"] < 40_000
     assert shared["prefetch=True stages=2"] < shared["prefetch=True stages=3"]
     assert shared["prefetch=True stages=3"] < shared["prefetch=True stages=4"]
+
+
+def test_the_flat_attention_grid_compiles_for_the_h200(compiled):
+    """The mixed launch over the flat grid (each program finds its sequence in a loop over
+    query_start_loc) compiles for sm_90, with a runtime sequence count and with the constant
+    1 Triton substitutes for it, and fits a block's shared memory."""
+    assert 0 < compiled["flat"] <= H200_SHARED
+    assert 0 < compiled["flat one sequence"] <= H200_SHARED
 
 
 def test_page_prefetch_lets_the_split_kv_loop_pipeline(compiled):
