@@ -283,4 +283,27 @@ MUTANTS = (
         "two engines of one process starting together: the second captures part of its fp16 "
         "codec untimed, 6-10x slower at some batch sizes",
     ),
+    Mutant(
+        "flat-grid-misses-blocks",
+        "kernels/paged_attention.py",
+        "    return lo, block - (tl.load(qsl_ptr + lo) // BLOCK_M + lo), tl.program_id(1)",
+        "    return lo, block - tl.load(qsl_ptr + lo) // BLOCK_M, tl.program_id(1)",
+        (
+            "tests/kernels/test_paged_attention.py::"
+            "test_the_flat_grid_computes_what_the_sequence_grid_does",
+        ),
+        "with the flat attention grid, a prompt beside other sequences is attended in part: "
+        "garbage speech that runs to the length cap",
+    ),
+    Mutant(
+        "fp8-tiles-unswept",
+        "kernels/skinny_gemm.py",
+        "    if element_size == 1 and bm >= 64:",
+        "    if False:",
+        (
+            "tests/kernels/test_skinny_gemm.py::test_default_tiles_are_the_h200_sweeps_best",
+            "tests/kernels/test_fp8_quant.py::test_skinny_gemm_with_the_swept_fp8_tiles",
+        ),
+        "fp8 steps of 33-128 tokens run the slower two-byte tiles: about 8 us a layer lost",
+    ),
 )
