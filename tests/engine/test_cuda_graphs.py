@@ -275,32 +275,21 @@ def test_skinny_gemm_graphs_equal_eager(tiny_ckpt, dtype, loads):
 
 
 @pytest.mark.cuda
-def test_attention_prefetch_pages_gives_the_same_rows(tiny_ckpt):
-    """The plan's `page_prefetch`: the one-pass kernel reads page ids a tile ahead; the same
-    arithmetic in the same order, so the seeded rows equal those without it, graphed and
-    eager."""
+@pytest.mark.parametrize(
+    "setting, text", [("page_prefetch", "prefetched pages"), ("flat_attention_grid", "a flat grid")]
+)
+def test_attention_launch_settings_give_the_same_rows(tiny_ckpt, setting, text):
+    """Settings of how the one-pass attention kernel is launched, not what it computes: the
+    plan's `page_prefetch` (page ids read a tile ahead: the same arithmetic in the same
+    order) and `flat_attention_grid` (mixed steps launch one program per query tile that can
+    exist, each computing what it did on the sequence grid). The seeded rows equal those
+    without the setting, graphed and eager."""
     base = dict(device="cuda", dtype="bfloat16", max_num_seqs=8, num_kv_blocks=512)
     rows = {}
-    for prefetch in (False, True):
+    for on in (False, True):
         for graphs in (True, False):
-            overrides = {"page_prefetch": prefetch}
-            config = dict(plan_overrides=overrides, enforce_eager=not graphs, **base)
-            rows[prefetch, graphs] = _seeded_rows(tiny_ckpt, "prefetched pages", 70, 30, config)
-    assert rows[True, True] == rows[False, True] and rows[True, False] == rows[False, False]
-
-
-@pytest.mark.cuda
-def test_the_flat_attention_grid_gives_the_same_rows(tiny_ckpt):
-    """The plan's `flat_attention_grid`: mixed steps launch one program per query block that
-    can exist instead of sequences x blocks of the bucket's bound; each program computes
-    what it did before, so the seeded rows equal those without it, graphed and eager."""
-    base = dict(device="cuda", dtype="bfloat16", max_num_seqs=8, num_kv_blocks=512)
-    rows = {}
-    for flat in (False, True):
-        for graphs in (True, False):
-            overrides = {"flat_attention_grid": flat}
-            config = dict(plan_overrides=overrides, enforce_eager=not graphs, **base)
-            rows[flat, graphs] = _seeded_rows(tiny_ckpt, "a flat grid", 70, 30, config)
+            config = dict(plan_overrides={setting: on}, enforce_eager=not graphs, **base)
+            rows[on, graphs] = _seeded_rows(tiny_ckpt, text, 70, 30, config)
     assert rows[True, True] == rows[False, True] and rows[True, False] == rows[False, False]
 
 
