@@ -143,6 +143,9 @@ def skinny_tiles(m: int, n: int, k: int, tma: bool = False, element_size: int = 
     and eight warps where the fp32 accumulator holds 16,384 elements (128 a thread, not
     256)."""
     bm = max(16, triton.next_power_of_2(m))
+    swept = _fp8_sweep_tiles(bm, n, k, tma) if element_size == 1 and bm >= 64 else None
+    if swept is not None:
+        return swept
     warps = 4
     if triton.cdiv(n, 64) >= 96 and tma and n >= 16384:
         bn, bk, split, stages, warps = 128, 128, 1, 3, 8
@@ -151,10 +154,6 @@ def skinny_tiles(m: int, n: int, k: int, tma: bool = False, element_size: int = 
     else:
         bn, bk, stages = (128 if k >= 8192 else 64), 128, 4
         split = max(1, min(triton.cdiv(k, 128), round(k / 1600)))
-    if element_size == 1 and bm >= 64:
-        swept = _fp8_sweep_tiles(bm, n, k, tma)
-        if swept is not None:
-            return swept
     size = element_size if bm > 64 else 2
     if bn * bm >= 16384:
         warps = 8

@@ -298,8 +298,8 @@ MUTANTS = (
     Mutant(
         "fp8-tiles-unswept",
         "kernels/skinny_gemm.py",
-        "    if element_size == 1 and bm >= 64:",
-        "    if False:",
+        "    swept = _fp8_sweep_tiles(bm, n, k, tma) if element_size == 1 and bm >= 64 else None",
+        "    swept = None",
         (
             "tests/kernels/test_skinny_gemm.py::test_default_tiles_are_the_h200_sweeps_best",
             "tests/kernels/test_fp8_quant.py::test_skinny_gemm_with_the_swept_fp8_tiles",
