@@ -168,3 +168,5 @@ def test_the_flat_attention_grid_is_a_triton_setting(tiny_ckpt):
     assert "flat_grid" not in TritonAttention(plan)._decode_knobs()
     with pytest.raises(ConfigError, match="flat_attention_grid is a setting of the Triton"):
         EngineConfig(plan_overrides={"attention_backend": "torch", "flat_attention_grid": True})
+    with pytest.raises(ConfigError, match="flat_attention_grid must be a bool, got 1"):
+        EngineConfig(plan_overrides={"flat_attention_grid": 1})
