@@ -30,6 +30,11 @@ SWEEP = [  # (block_n, block_k, num_stages, num_warps, tma)
     (64, 256, 4, 4, False),
     (64, 512, 3, 4, False),
     (128, 256, 3, 8, False),
+    # 32 weight rows a tile: twice the programs, for shapes whose 64-row grid leaves
+    # multiprocessors idle (o and down: 40 tiles); below wgmma's 64-row tile, so Triton may
+    # fall back to the older mma instruction: measured, not assumed
+    (32, 256, 4, 4, True),
+    (32, 512, 4, 4, True),
 ]
 
 
