@@ -83,7 +83,7 @@ class Engine:
         )
         num_blocks = config.num_kv_blocks or auto_num_kv_blocks(config, self.model, device)
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.blocks)
+        self.scheduler = Scheduler(config, self.blocks, self.plan.admission_wait_steps)
         self.runner = ModelRunner(self.model, config, self.plan, num_blocks)
         self.codec = _load_codec(codec or checkpoint, config, self.plan, device, codec is not None)
         # graphs before any request: backbone and sampler (the runner's), then the codec's

@@ -83,6 +83,11 @@ class ExecutionPlan:
     # the audio is the same, only when its chunks are decoded moves
     codec_defer_steps: int = 0
     codec_defer_batch: int = 8
+    # while streams decode, new requests are admitted at most once every N + 1 steps (0:
+    # every step), so prompts that arrive close together share one mixed step: each mixed
+    # step costs the decodes beside it leaving the decode graph (engine/scheduler.py); a
+    # request waits up to N steps more for its first row
+    admission_wait_steps: int = 0
 
     def describe(self) -> dict:
         """JSON-ready, for the start-up log and `/ready`."""
@@ -167,6 +172,10 @@ def check_overrides(overrides: Mapping[str, object], device: str) -> None:
             f"rows), got {o.get('codec_defer_steps')}",
         ),
         (o.get("codec_defer_batch") == 0, "codec_defer_batch must be at least 1"),
+        (
+            not 0 <= o.get("admission_wait_steps", 0) <= 16,
+            f"admission_wait_steps must be in 0..16, got {o.get('admission_wait_steps')}",
+        ),
     )
     for refused, message in refusals:
         if refused:
@@ -263,6 +272,7 @@ def resolve(config, model_config, device) -> ExecutionPlan:
         codec_autotune=autotune,
         codec_defer_steps=o.get("codec_defer_steps", 0),
         codec_defer_batch=o.get("codec_defer_batch", 8),
+        admission_wait_steps=o.get("admission_wait_steps", 0),
     )
 
 

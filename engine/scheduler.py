@@ -42,9 +42,16 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+    def __init__(
+        self, config: EngineConfig, block_manager: BlockManager, admission_wait_steps: int = 0
+    ):
+        """`admission_wait_steps` (the plan's): while requests run, new ones are admitted at
+        most once every that many steps plus one, so prompts arriving close together share a
+        mixed step; an idle engine admits at once."""
         self.config = config
         self.blocks = block_manager
+        self.admission_wait_steps = admission_wait_steps
+        self._steps_since_admission = admission_wait_steps  # the first request goes at once
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -146,8 +153,13 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
-        if not out.preempted:
+        running = len(out.chunks)
+        if not out.preempted and (
+            not self.running or self._steps_since_admission >= self.admission_wait_steps
+        ):
             self._schedule_waiting(out, budget)
+        admitted = len(out.chunks) > running
+        self._steps_since_admission = 0 if admitted else self._steps_since_admission + 1
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:

@@ -130,6 +130,38 @@ def test_seeded_rows_identical_alone_and_in_batch_of_16(tiny_ckpt):
     assert len({tuple(r.rows[0]) for r in results}) > 8  # the batch really was mixed
 
 
+def _staggered(tiny_ckpt, admission_wait_steps: int) -> tuple[dict, dict]:
+    """One request every other step for 12 steps beside the earlier ones: each request's rows
+    and the step of its first row."""
+    overrides = {"admission_wait_steps": admission_wait_steps}
+    config = EngineConfig(
+        block_size=4, max_num_seqs=8, max_num_batched_tokens=64, plan_overrides=overrides
+    )
+    engine = Engine.from_pretrained(tiny_ckpt, config)
+    rows, first, step = {}, {}, 0
+    while step < 12 or engine.has_unfinished():
+        if step < 12 and step % 2 == 0:
+            params = SamplingParams(seed=step, max_rows=20)
+            engine.add_request(f"r{step}", f"Request {step} arrives.", params=params)
+        for event in engine.step():
+            if event.new_rows:
+                first.setdefault(event.request_id, step)
+            if event.finished:
+                rows[event.request_id] = event.rows
+        step += 1
+    return rows, first
+
+
+def test_admission_wait_moves_when_prompts_run_not_the_rows(tiny_ckpt):
+    """Prompts held for company (the plan's admission_wait_steps) start up to that many steps
+    later, with the same seeded rows."""
+    rows, first = _staggered(tiny_ckpt, 0)
+    held_rows, held_first = _staggered(tiny_ckpt, 3)
+    assert held_rows == rows and len(rows) == 6
+    delays = [held_first[rid] - first[rid] for rid in first]
+    assert all(0 <= d <= 3 for d in delays) and max(delays) > 0
+
+
 def test_length_cap_is_2048_rows(tiny_ckpt):
     engine = Engine.from_pretrained(tiny_ckpt, EngineConfig(max_num_seqs=1))
     [result] = engine.generate(["cap me"], params=SamplingParams(temperature=0))

@@ -50,10 +50,10 @@ def make_config(**kw) -> EngineConfig:
 class Sim:
     """A scheduler plus the engine's side of the loop, checking invariants on every step."""
 
-    def __init__(self, num_blocks: int, caching: bool = True, **config):
+    def __init__(self, num_blocks: int, caching: bool = True, admission_wait_steps=0, **config):
         self.config = make_config(**config)
         self.bm = BlockManager(num_blocks, self.config.block_size, caching)
-        self.sched = Scheduler(self.config, self.bm)
+        self.sched = Scheduler(self.config, self.bm, admission_wait_steps)
         self.finished: list[Request] = []
         self.history: list[SchedulerOutput] = []
         self.num_preempted = 0
@@ -220,6 +220,44 @@ def test_max_num_seqs_respected():
 
 
 # -- admission control -----------------------------------------------------------------------
+
+
+def admitted_at(sim: Sim, req: Request) -> int:
+    return chunks_of(sim, req)[0][0]
+
+
+@pytest.mark.parametrize("wait", [0, 2, 3])
+def test_admissions_while_others_decode_come_at_most_every_wait_plus_one_steps(wait):
+    """One request arrives every step beside a long-running one: with `wait` 0 each is
+    admitted the step it arrives; with `wait` N the admissions are N + 1 steps apart, each
+    taking every request that arrived since, none waiting more than N steps."""
+    sim = Sim(num_blocks=400, admission_wait_steps=wait, max_num_seqs=16, max_num_batched_tokens=64)
+    long = sim.add(make_request("long", 5, max_rows=40))
+    sim.step()
+    assert admitted_at(sim, long) == 0  # an idle engine admits at once
+    arrivals = {}
+    for i in range(12):
+        arrivals[sim.add(make_request(f"r{i}", 3, max_rows=30))] = len(sim.history)
+        sim.step()
+    admissions = sorted({admitted_at(sim, r) for r in arrivals})
+    # "long" was admitted at step 0: the next admission comes N + 1 steps after it
+    assert admissions == list(range(wait + 1, 13, wait + 1))
+    assert all(0 <= admitted_at(sim, r) - step <= wait for r, step in arrivals.items())
+    mixed = [out for out in sim.history[1:] if any(c.start == 0 for c in out.chunks)]
+    assert len(mixed) == len(admissions)
+    sim.run()
+    assert all(len(r.output_rows) == 30 for r in arrivals)
+
+
+def test_admission_wait_never_holds_an_idle_engine():
+    """With nothing running a request goes at once, however recent the last admission."""
+    sim = Sim(num_blocks=200, admission_wait_steps=8, max_num_batched_tokens=64)
+    first = sim.add(make_request("a", 5, max_rows=1))
+    sim.step()
+    assert sim.sched.running == [] and first.output_rows  # done in its first step
+    second = sim.add(make_request("b", 5, max_rows=1))
+    sim.step()
+    assert admitted_at(sim, second) == 1
 
 
 def test_requests_wait_for_blocks_and_all_finish():
