@@ -36,6 +36,11 @@ DEFAULT_FEW_ROW_GEMM_ROWS = 16  # at 64 rows cuBLAS is faster on the H200
 # tile the kernel takes is 128 rows (kernels/skinny_gemm.MAX_ROWS)
 DEFAULT_FEW_ROW_FP8_ROWS = 128
 DEFAULT_CODEC_GRAPH_BATCH = 64  # a step rarely completes more windows
+# With graphs, a step with a prompt in it replays a mixed graph, slower than the decode graph
+# for the same decodes: admitting at most every 4th step while streams run gave 16% more
+# audio-s/s at 256 streams (no underruns, against 5.5 a thousand chunks) and 2.8% at 64,
+# first audio 1 ms later at 64 (H100, fp8, one voice; docs/perf-log/2026-12-06-session-28.md)
+DEFAULT_ADMISSION_WAIT_STEPS = 3
 FOLLOW_EAGER = ("cuda_graphs", "sampler_graphs")  # set by enforce_eager, never overridden
 
 
@@ -86,7 +91,7 @@ class ExecutionPlan:
     # while streams decode, new requests are admitted at most once every N + 1 steps (0:
     # every step), so prompts that arrive close together share one mixed step: each mixed
     # step costs the decodes beside it leaving the decode graph (engine/scheduler.py); a
-    # request waits up to N steps more for its first row
+    # request waits up to N steps more for its first row. Default 3 where graphs run
     admission_wait_steps: int = 0
 
     def describe(self) -> dict:
@@ -272,7 +277,9 @@ def resolve(config, model_config, device) -> ExecutionPlan:
         codec_autotune=autotune,
         codec_defer_steps=o.get("codec_defer_steps", 0),
         codec_defer_batch=o.get("codec_defer_batch", 8),
-        admission_wait_steps=o.get("admission_wait_steps", 0),
+        admission_wait_steps=o.get(
+            "admission_wait_steps", DEFAULT_ADMISSION_WAIT_STEPS if graphs else 0
+        ),
     )
 
 

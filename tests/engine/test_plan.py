@@ -157,6 +157,29 @@ def test_fp8_steps_of_up_to_128_tokens_take_our_gemm_on_the_gpu(
     assert plan.few_row_fp8_rows == want and plan_module.DEFAULT_FEW_ROW_FP8_ROWS == MAX_ROWS
 
 
+@pytest.mark.parametrize(
+    "device, eager, overrides, want",
+    [
+        ("cuda", False, {}, 3),  # graphs: prompts share mixed steps
+        ("cuda", True, {}, 0),  # no graphs, no decode graph to leave
+        ("cpu", False, {}, 0),
+        ("cuda", False, {"admission_wait_steps": 0}, 0),
+    ],
+)
+def test_admissions_wait_for_company_where_graphs_run(
+    tiny_ckpt, monkeypatch, device, eager, overrides, want
+):
+    import engine.plan as plan_module
+
+    monkeypatch.setattr(plan_module, "resolve_pdl", lambda setting, fused, device: False)
+    monkeypatch.setattr(plan_module, "resolve_tma", lambda *args: False)
+    _, model_config = read_config(tiny_ckpt)
+    config = EngineConfig(device=device, enforce_eager=eager, plan_overrides=overrides)
+    assert resolve(config, model_config, torch.device(device)).admission_wait_steps == want
+    with pytest.raises(ConfigError, match="admission_wait_steps must be in 0..16"):
+        EngineConfig(plan_overrides={"admission_wait_steps": 17})
+
+
 def test_the_flat_attention_grid_is_a_triton_setting(tiny_ckpt):
     """Off by default (not yet measured on a GPU); it reaches the Triton backend's mixed
     launches, and asking it of another backend is refused."""
