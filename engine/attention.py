@@ -161,6 +161,14 @@ class TorchAttention(_StoreThenAttend):
         return result[:t]
 
 
+# The flat grid's programs find their sequence by a binary search over query_start_loc: a
+# few dependent loads before any work. Measured per graph (benchmarks/bucket_cost.py, H100,
+# bf16 and fp8 weights): from 144 tokens on it wins in every shape, 0.07-3.1 ms a step (256
+# decodes beside a clone prompt, the 512-token graph: 14.7 -> 11.6 ms with fp8); at 128 and
+# fewer it loses up to 0.13 ms (64 decodes leave few empty programs to save).
+FLAT_GRID_MIN_TOKENS = 129
+
+
 class TritonAttention(_StoreThenAttend):
     """Our Triton paged-attention kernel: one launch for mixed prefill and decode rows, its
     grid sized from `meta.max_query_len` (so graph capture must respect the capture bound)."""
@@ -191,12 +199,14 @@ class TritonAttention(_StoreThenAttend):
         decode; docs/perf-log/)."""
         return dict(block_n=32, num_stages=3, prefetch_pages=True) if self.prefetch_pages else {}
 
-    def _mixed_knobs(self) -> dict:
+    def _mixed_knobs(self, num_tokens: int) -> dict:
         """Tiles of launches with prefill rows: with `prefetch_pages`, the kernel's 64-key
         tiles with page ids read a tile ahead (the H200 sweep's best for mixed steps;
-        docs/perf-log/); with `flat_grid`, one program per query block that can exist."""
+        docs/perf-log/); with `flat_grid`, one program per query block that can exist, for
+        steps of `FLAT_GRID_MIN_TOKENS` tokens (padded) or more."""
         knobs = dict(block_n=64, num_stages=3, prefetch_pages=True) if self.prefetch_pages else {}
-        return knobs | ({"flat_grid": True} if self.flat_grid else {})
+        flat = self.flat_grid and num_tokens >= FLAT_GRID_MIN_TOKENS
+        return knobs | ({"flat_grid": True} if flat else {})
 
     def fuses_decode(self, meta, kv_cache) -> bool:
         """Decode-only steps that run the one-pass kernel (enough sequences not to split)."""
@@ -217,7 +227,7 @@ class TritonAttention(_StoreThenAttend):
         from kernels.paged_attention import paged_attention
         from kernels.paged_decode import paged_decode_attention
 
-        knobs = self._mixed_knobs()
+        knobs = self._mixed_knobs(q.shape[0])
         if meta.max_query_len == 1:  # decode only: split the context when sequences are few
             knobs = self._decode_knobs()
             splits = self._splits(meta, kv_cache)

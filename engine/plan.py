@@ -56,9 +56,10 @@ class ExecutionPlan:
     # one launch per layer (needs fused ops and the Triton backend)
     fused_decode: bool = False
     page_prefetch: bool = False  # Triton attention reads page ids a tile ahead (pipelined)
-    # Triton attention of mixed steps launches one program per query block that can exist
-    # (kernels/paged_attention.py, flat_grid), not sequences x blocks of the longest query:
-    # the graph of 64 decodes beside a prompt stops launching thousands of empty programs
+    # Triton attention of mixed steps of more than 128 tokens launches one program per query
+    # block that can exist (kernels/paged_attention.py, flat_grid), not sequences x blocks of
+    # the longest query: the graph of 256 decodes beside a prompt stops launching thousands
+    # of empty programs (engine/attention.py, FLAT_GRID_MIN_TOKENS). On with the Triton backend
     flat_attention_grid: bool = False
     pdl: bool = False  # programmatic dependent launch of the forward's Triton kernels
     few_row_gemm_rows: int = 0  # projections of steps up to this many tokens: our GEMM
@@ -255,7 +256,7 @@ def resolve(config, model_config, device) -> ExecutionPlan:
         fused_ops=fused,
         fused_decode=o.get("fused_decode", fused and triton),
         page_prefetch=o.get("page_prefetch", triton),
-        flat_attention_grid=o.get("flat_attention_grid", False),
+        flat_attention_grid=o.get("flat_attention_grid", triton),
         pdl=resolve_pdl(o.get("pdl"), fused, device),
         few_row_gemm_rows=rows,
         few_row_fp8_rows=o.get(

@@ -278,13 +278,15 @@ def test_skinny_gemm_graphs_equal_eager(tiny_ckpt, dtype, loads):
 @pytest.mark.parametrize(
     "setting, text", [("page_prefetch", "prefetched pages"), ("flat_attention_grid", "a flat grid")]
 )
-def test_attention_launch_settings_give_the_same_rows(tiny_ckpt, setting, text):
+def test_attention_launch_settings_give_the_same_rows(tiny_ckpt, monkeypatch, setting, text):
     """Settings of how the one-pass attention kernel is launched, not what it computes: the
     plan's `page_prefetch` (page ids read a tile ahead: the same arithmetic in the same
     order) and `flat_attention_grid` (mixed steps launch one program per query tile that can
     exist, each computing what it did on the sequence grid). The seeded rows equal those
     without the setting, graphed and eager."""
     base = dict(device="cuda", dtype="bfloat16", max_num_seqs=8, num_kv_blocks=512)
+    # the flat grid at every step size, not only above 128 tokens (the engine's rule)
+    monkeypatch.setattr("engine.attention.FLAT_GRID_MIN_TOKENS", 1)
     rows = {}
     for on in (False, True):
         for graphs in (True, False):

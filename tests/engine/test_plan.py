@@ -181,14 +181,24 @@ def test_admissions_wait_for_company_where_graphs_run(
 
 
 def test_the_flat_attention_grid_is_a_triton_setting(tiny_ckpt):
-    """Off by default (not yet measured on a GPU); it reaches the Triton backend's mixed
-    launches, and asking it of another backend is refused."""
+    """On with the Triton backend, off with the others; it reaches the Triton backend's
+    mixed launches of more than 128 tokens (where it was measured faster), never smaller
+    ones or decode launches, and asking it of another backend is refused."""
+    from engine.attention import FLAT_GRID_MIN_TOKENS
+
     _, model_config = read_config(tiny_ckpt)
     assert resolve(EngineConfig(), model_config, CPU).flat_attention_grid is False
-    overrides = {"attention_backend": "triton", "flat_attention_grid": True}
-    plan = resolve(EngineConfig(plan_overrides=overrides), model_config, CPU)
-    assert plan.flat_attention_grid and TritonAttention(plan)._mixed_knobs()["flat_grid"]
-    assert "flat_grid" not in TritonAttention(plan)._decode_knobs()
+    triton = {"attention_backend": "triton"}
+    plan = resolve(EngineConfig(plan_overrides=triton), model_config, CPU)
+    assert plan.flat_attention_grid and FLAT_GRID_MIN_TOKENS == 129
+    attention = TritonAttention(plan)
+    assert attention._mixed_knobs(144)["flat_grid"] and attention._mixed_knobs(512)["flat_grid"]
+    assert "flat_grid" not in attention._mixed_knobs(128)
+    assert "flat_grid" not in attention._decode_knobs()
+    off = resolve(
+        EngineConfig(plan_overrides=triton | {"flat_attention_grid": False}), model_config, CPU
+    )
+    assert "flat_grid" not in TritonAttention(off)._mixed_knobs(512)
     with pytest.raises(ConfigError, match="flat_attention_grid is a setting of the Triton"):
         EngineConfig(plan_overrides={"attention_backend": "torch", "flat_attention_grid": True})
     with pytest.raises(ConfigError, match="flat_attention_grid must be a bool, got 1"):
