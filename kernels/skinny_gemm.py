@@ -136,12 +136,11 @@ def skinny_tiles(m: int, n: int, k: int, tma: bool = False, element_size: int = 
     With `tma` the wide outputs take the TMA sweep's best at one row instead (qkv: four
     stages; gate-up, 19,456 rows: 128-row tiles of 128 columns, eight warps). Taller x tiles
     (more than 16 rows) drop pipeline stages to fit the shared memory, down to two, then
-    halve the chunk of columns. Up to 32 rows the budget reckons two bytes an element, fp8
-    operands too (the measured fp8 defaults are those tiles). fp8 operands in 64- and
-    128-row tiles take the fp8 sweep's winners where it found better (`_fp8_sweep_tiles`);
-    elsewhere `element_size` bytes above 64 rows (only fp8 weights take this kernel there),
-    and eight warps where the fp32 accumulator holds 16,384 elements (128 a thread, not
-    256)."""
+    halve the chunk of columns. fp8 operands in 64- and 128-row tiles take the fp8 sweep's
+    winners where it found better (`_fp8_sweep_tiles`). Otherwise, up to 64 rows the budget
+    reckons two bytes an element, fp8 operands too (the measured fp8 defaults are those
+    tiles); above, `element_size` bytes (only fp8 weights take this kernel there), and eight
+    warps where the fp32 accumulator holds 16,384 elements (128 a thread, not 256)."""
     bm = max(16, triton.next_power_of_2(m))
     swept = _fp8_sweep_tiles(bm, n, k, tma) if element_size == 1 and bm >= 64 else None
     if swept is not None:
