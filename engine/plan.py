@@ -38,8 +38,9 @@ DEFAULT_FEW_ROW_FP8_ROWS = 128
 DEFAULT_CODEC_GRAPH_BATCH = 64  # a step rarely completes more windows
 # With graphs, a step with a prompt in it replays a mixed graph, slower than the decode graph
 # for the same decodes: admitting at most every 4th step while streams run gave 16% more
-# audio-s/s at 256 streams (no underruns, against 5.5 a thousand chunks) and 2.8% at 64,
-# first audio 1 ms later at 64 (H100, fp8, one voice; docs/perf-log/2026-12-06-session-28.md)
+# audio-s/s at 256 streams (no underruns, against 5.5 a thousand chunks); at 64, +2.8% and
+# first audio 1 ms later, within what single starts vary (H100, fp8, one voice, one start
+# each; docs/perf-log/2026-12-06-session-28.md)
 DEFAULT_ADMISSION_WAIT_STEPS = 3
 FOLLOW_EAGER = ("cuda_graphs", "sampler_graphs")  # set by enforce_eager, never overridden
 
