@@ -16,7 +16,7 @@ from engine.block_manager import NULL_BLOCK, BlockManager
 from engine.config import ConfigError, EngineConfig, SamplingParams
 from engine.prompt import Prompt
 from engine.request import FinishReason, Request, RequestStatus
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import HOLD_POSITIONS, Scheduler, SchedulerOutput
 
 BS = 4
 
@@ -258,6 +258,34 @@ def test_admission_wait_never_holds_an_idle_engine():
     second = sim.add(make_request("b", 5, max_rows=1))
     sim.step()
     assert admitted_at(sim, second) == 1
+
+
+def test_admission_wait_holds_prompts_only_while_they_compute_few_positions():
+    """A prompt the prefix cache mostly serves is held for company; once the waiting prompts
+    compute HOLD_POSITIONS or more (a clone prompt of a voice not in the cache) they all go at
+    once, the step after an admission too: held, they would queue behind the token budget."""
+    sim = Sim(
+        num_blocks=400,
+        admission_wait_steps=3,
+        max_num_seqs=16,
+        max_num_batched_tokens=256,
+        max_model_len=512,
+    )
+    voice = list(range(500, 500 + 2 * HOLD_POSITIONS))
+    sim.add(make_request("first", voice, max_rows=40))
+    sim.step()  # an idle engine admits at once; its prompt's blocks are now cached
+    warm = sim.add(make_request("warm", voice, max_rows=5))
+    sim.step()
+    assert not chunks_of(sim, warm)  # held: only its last block to compute
+    cold = sim.add(make_request("cold", HOLD_POSITIONS - BS, max_rows=5))
+    sim.step()
+    assert chunks_of(sim, warm) == [(2, len(voice) - BS, BS)]  # beside "cold", not 3 steps on
+    assert admitted_at(sim, cold) == 2
+    colder = sim.add(make_request("colder", HOLD_POSITIONS, max_rows=5))
+    sim.step()
+    assert admitted_at(sim, colder) == 3
+    sim.run()
+    assert all(len(r.output_rows) == 5 for r in (warm, cold, colder))
 
 
 def test_requests_wait_for_blocks_and_all_finish():
