@@ -102,6 +102,7 @@ def main() -> None:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=max(512, args.max_num_seqs),
         row_events=False,  # as the service configures its engine
+        enable_prefix_caching=settings.prefix_caching,  # CLONECAST_PREFIX_CACHING
         plan_overrides=settings.plan,  # CLONECAST_PLAN
     )
     engine = Engine.from_pretrained(None, config)
