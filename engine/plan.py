@@ -93,7 +93,8 @@ class ExecutionPlan:
     # while streams decode, new requests are admitted at most once every N + 1 steps (0:
     # every step), so prompts that arrive close together share one mixed step: each mixed
     # step costs the decodes beside it leaving the decode graph (engine/scheduler.py); a
-    # request waits up to N steps more for its first row. Default 3 where graphs run
+    # request waits up to N steps more for its first row; only prompts that compute few
+    # positions are held (scheduler.HOLD_POSITIONS). Default 3 where graphs run
     admission_wait_steps: int = 0
 
     def describe(self) -> dict:
