@@ -171,7 +171,7 @@ class Fp8Ops:
             return None
         from kernels.skinny_gemm import skinny_gemm, tile_scaled_tiles
 
-        tiles = tile_scaled_tiles(x.shape[0], *layer.weight.shape, self.tma)
+        tiles = tile_scaled_tiles(x.shape[0], *layer.weight.shape, self.tma, gated)
         scales = dict(weight_scale=layer.weight_scale, out_dtype=self.dtype)
         return skinny_gemm(
             x, layer.weight, self.counters, gated=gated, tma=self.tma, **scales, **tiles

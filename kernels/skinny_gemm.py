@@ -201,15 +201,17 @@ def skinny_tiles(m: int, n: int, k: int, tma: bool = False, element_size: int = 
     return dict(block_m=bm, block_n=bn, block_k=bk, split=split, num_warps=warps, num_stages=stages)
 
 
-def tile_scaled_tiles(m: int, n: int, k: int, tma: bool = False) -> dict:
+def tile_scaled_tiles(m: int, n: int, k: int, tma: bool = False, gated: bool = False) -> dict:
     """Tiles for float8 weights beside an x in two-byte elements quantized in the kernel
     (`skinny_gemm` without x_scale): the fp8 tiles (`skinny_tiles(..., element_size=1)`),
     with stages dropped (down to two), then the chunk of columns halved, until the weight's
-    one-byte and x's two-byte tiles of every stage and the fp32 epilogue fit the shared
-    memory. Not swept: x quantized here has not run on a GPU yet."""
+    one-byte and x's two-byte tiles of every stage (two x tiles where gated: gate and up)
+    and the fp32 epilogue fit the shared memory. Not swept: x quantized here has not run on
+    a GPU yet."""
     tiles = skinny_tiles(m, n, k, tma, element_size=1)
     bm, bn = tiles["block_m"], tiles["block_n"]
-    while tiles["num_stages"] * (bn + 2 * bm) * tiles["block_k"] + bn * bm * 4 > 220 * 1024:
+    x_bytes = 2 * bm * (2 if gated else 1)  # a stage's x tiles, per column
+    while tiles["num_stages"] * (bn + x_bytes) * tiles["block_k"] + bn * bm * 4 > 220 * 1024:
         if tiles["num_stages"] > 2:
             tiles["num_stages"] -= 1
         elif tiles["block_k"] > 64:

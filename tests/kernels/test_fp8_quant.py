@@ -193,19 +193,22 @@ def test_tile_scales_follow_a_row_that_is_loud_in_one_chunk_only():
 
 
 @pytest.mark.parametrize("m", [1, 16, 32, 64, 80, 128])
-@pytest.mark.parametrize("n, k", [(2560, 4096), (2560, 9728)])
-def test_tile_scaled_tiles_fit_the_shared_memory_with_two_byte_x(m, n, k):
-    """o and down, the projections whose inputs are quantized in the GEMM: the fp8 tiles
-    with x's tiles in two bytes still fit (stages dropped first), and no smaller than
-    needed: one stage more would not fit, or the fp8 tiles were kept whole."""
+@pytest.mark.parametrize("n, k, gated", [(2560, 4096, False), (2560, 9728, True)])
+def test_tile_scaled_tiles_fit_the_shared_memory_with_two_byte_x(m, n, k, gated):
+    """o and down (gated: a gate and an up tile a stage), the projections whose inputs are
+    quantized in the GEMM: the fp8 tiles with x's tiles in two bytes still fit (stages
+    dropped first), and no smaller than needed: one stage more would not fit, or the fp8
+    tiles were kept whole."""
     from kernels.skinny_gemm import skinny_tiles, tile_scaled_tiles
 
     def smem(t, stages):
-        return stages * (t["block_n"] + 2 * t["block_m"]) * t["block_k"] + (
+        x_tiles = 2 if gated else 1
+        return stages * (t["block_n"] + 2 * x_tiles * t["block_m"]) * t["block_k"] + (
             t["block_n"] * t["block_m"] * 4
         )
 
-    t, fp8 = tile_scaled_tiles(m, n, k, tma=True), skinny_tiles(m, n, k, True, element_size=1)
+    t = tile_scaled_tiles(m, n, k, tma=True, gated=gated)
+    fp8 = skinny_tiles(m, n, k, True, element_size=1)
     assert smem(t, t["num_stages"]) <= 220 * 1024
     assert (t["block_n"], t["split"], t["block_m"]) == (
         fp8["block_n"],
@@ -228,7 +231,7 @@ def test_tile_scaled_higgs_shapes_in_bf16(m, n, k, gated, tma):
     w8, w_scale = _fp8_weight(n, k, seed=2)
     x = torch.randn(m, 2 * k if gated else k, device="cuda").bfloat16()
     counters = torch.zeros(4096, dtype=torch.int32, device="cuda")
-    tiles = tile_scaled_tiles(m, n, k, tma)
+    tiles = tile_scaled_tiles(m, n, k, tma, gated)
     scales = dict(weight_scale=w_scale, out_dtype=torch.bfloat16)
     out = skinny_gemm(x, w8, counters, gated=gated, tma=tma, **scales, **tiles)
     ref = tile_scaled_reference(x, w8, w_scale, tiles["block_k"], gated)
