@@ -109,8 +109,10 @@ class Fp8Ops:
     RMSNorm kernel, or one SiLU-mul + quantize launch, else one quantize launch), then steps
     of up to `max_rows` tokens multiply in our few-row GEMM (kernels/skinny_gemm.py, `tma`:
     its tiles through the copy engine) and larger ones through the scaled fp8 matmul (over a
-    power-of-two row count where `pow2_rows`): the same arithmetic either way. Everything
-    else is the base's."""
+    power-of-two row count where `pow2_rows`): the same arithmetic either way. With
+    `tile_scales`, the few-row GEMM quantizes o's and down's inputs itself with a scale per
+    row and chunk of columns, so those differ from the per-row scales of larger steps by
+    fp8 rounding. Everything else is the base's."""
 
     def __init__(
         self,

@@ -206,10 +206,14 @@ def tile_scaled_tiles(m: int, n: int, k: int, tma: bool = False, gated: bool = F
     (`skinny_gemm` without x_scale): the fp8 tiles (`skinny_tiles(..., element_size=1)`),
     with stages dropped (down to two), then the chunk of columns halved, until the weight's
     one-byte and x's two-byte tiles of every stage (two x tiles where gated: gate and up)
-    and the fp32 epilogue fit the shared memory. Not swept: x quantized here has not run on
-    a GPU yet."""
+    and the fp32 epilogue fit the shared memory. The chunk is first cut to 8,192 x values
+    (64 fp32 registers a thread at four warps): the kernel holds the x tile in fp32 to find
+    its scales, and larger ones spilled registers (H100, 64-128 rows: 38-378 spills, a gated
+    128-row product 2.6x slower). Not swept yet."""
     tiles = skinny_tiles(m, n, k, tma, element_size=1)
     bm, bn = tiles["block_m"], tiles["block_n"]
+    while bm * tiles["block_k"] > 8192 and tiles["block_k"] > 64:
+        tiles["block_k"] //= 2
     x_bytes = 2 * bm * (2 if gated else 1)  # a stage's x tiles, per column
     while tiles["num_stages"] * (bn + x_bytes) * tiles["block_k"] + bn * bm * 4 > 220 * 1024:
         if tiles["num_stages"] > 2:
