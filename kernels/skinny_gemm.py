@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8_quant import fp8_scales, round_to_e4m3, soft_round
+from kernels.fp8_quant import fp8_scales, scaled_to_e4m3, soft_round
 from kernels.launch import hopper_or_later, pdl_enter, pdl_launch
 
 # x tiles of up to 128 rows (the fp32 accumulator [BN, 128]: skinny_tiles gives 8 warps from
@@ -57,17 +57,15 @@ def _x_tile(x_cols, k, m_ok, hi, K, GATED: tl.constexpr, MASK_K: tl.constexpr):
 def _tile_quantized_dot(w, x, acc, ROWS_AXIS: tl.constexpr, IEEE: tl.constexpr,
                         SOFT_ROUND: tl.constexpr):  # fmt: skip
     """acc + (w . x) for an x tile in the model dtype quantized here: each x row's values in
-    this tile scaled by their own absolute maximum to float8 (the rounding of
-    fp8_quant.store_fp8), multiplied with the float8 weight tile, the sums scaled back.
-    ROWS_AXIS: x's axis that holds its rows (1: `[BK, BM]`, 0: `[BM, BK]`, then transposed)."""
+    this tile scaled by their own absolute maximum to float8 (fp8_quant's rounding),
+    multiplied with the float8 weight tile, the sums scaled back. ROWS_AXIS: x's axis that
+    holds its rows (1: `[BK, BM]`, 0: `[BM, BK]`, then transposed)."""
     xf = x.to(tl.float32)
     scale, inverse = fp8_scales(tl.max(tl.abs(xf), axis=1 - ROWS_AXIS))
     if ROWS_AXIS == 1:
-        q = tl.clamp(xf * inverse[None, :], -448.0, 448.0)
+        q = scaled_to_e4m3(xf, inverse[None, :], SOFT_ROUND)
     else:
-        q = tl.trans(tl.clamp(xf * inverse[:, None], -448.0, 448.0))
-    if SOFT_ROUND:
-        q = round_to_e4m3(q)
+        q = tl.trans(scaled_to_e4m3(xf, inverse[:, None], SOFT_ROUND))
     if IEEE:
         part = tl.dot(w.to(tl.float32), q, input_precision="ieee")
     else:
@@ -352,10 +350,9 @@ def tile_scaled_reference(x, weight, weight_scale, block_k: int, gated: bool = F
     `block_k` columns (fp8_quant's rounding: amax / 448 per chunk), each chunk's product
     scaled by its x scale, the sum by the weight's."""
     from kernels.fp8_quant import quantize_rows_reference
+    from kernels.norm_rope import silu_mul_reference
 
-    if gated:
-        gate, up = x.chunk(2, dim=-1)
-        x = (torch.nn.functional.silu(gate.float()).to(x.dtype).float() * up.float()).to(x.dtype)
+    x = silu_mul_reference(x) if gated else x
     w = weight.float()
     out = torch.zeros(x.shape[0], w.shape[0], dtype=torch.float32, device=x.device)
     for k0 in range(0, x.shape[1], block_k):
