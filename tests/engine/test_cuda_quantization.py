@@ -32,7 +32,11 @@ def _engine(ckpt, **kw) -> Engine:
     return Engine.from_pretrained(ckpt, EngineConfig(**{**base, **kw}))
 
 
-@pytest.mark.parametrize("overrides", [{}, {"fp8_pow2_rows": True}, {"fp8_tile_scales": True}])
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"fp8_pow2_rows": True}, {"fp8_tile_scales": True}],
+    ids=["default", "pow2_rows", "tile_scales"],
+)
 def test_every_fp8_replay_equals_its_eager_twin(tiny_ckpt, overrides):
     """Decode graphs of few rows (the fp8 weight in our GEMM; with `fp8_tile_scales`, o's and
     down's bf16 inputs quantized inside it) and of many (the quantizing norm and SiLU kernels
