@@ -1,10 +1,8 @@
 """The Higgs v3 projections with FP8 weights at decode batch sizes, in CUDA graphs: cuBLAS in
 bf16 (what the engine runs without quantization), torch._scaled_mm with row-wise scales
 (fast accumulation off and on), our few-row GEMM over float8 operands (kernels/skinny_gemm.py,
-the engine's tiles with and without TMA, and the best of a small sweep), the per-row
-activation quantization launch alone, and ("in-GEMM q") our GEMM taking x in bf16 and
-quantizing it itself per tile (plan fp8_tile_scales, TMA tiles: what replaces "quant" +
-"ours tma"). Achieved weight bandwidth beside each.
+the engine's tiles with and without TMA, and the best of a small sweep), and the per-row
+activation quantization launch alone. Achieved weight bandwidth beside each.
 
     python benchmarks/fp8_gemm.py [--batches 1,16,32,64,80,96,128] [--sweep]
 """
@@ -22,13 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.gemm_shapes import COPIES, SHAPES, bench, graphed  # noqa: E402
 from engine.quantization import quantize_weight  # noqa: E402
 from kernels.fp8_quant import quantize_rows  # noqa: E402
-from kernels.skinny_gemm import (  # noqa: E402
-    MAX_ROWS,
-    skinny_gemm,
-    skinny_tiles,
-    tile_scaled_reference,
-    tile_scaled_tiles,
-)
+from kernels.skinny_gemm import MAX_ROWS, skinny_gemm, skinny_tiles  # noqa: E402
 
 SWEEP = [  # (block_n, block_k, num_stages, num_warps, tma)
     (64, 256, 4, 4, True),
@@ -89,8 +81,8 @@ def main() -> None:
     counters = torch.zeros(4096, dtype=torch.int32, device="cuda")
     print(f"\nprojections in CUDA graphs, {torch.cuda.get_device_name()} (us; TB/s of weight)")
     head = ("gemm", "M", "bf16", "TB/s", "smm", "TB/s", "smm fast", "ours", "TB/s", "ours tma")
-    print("{:<9}{:>5}{:>8}{:>6}{:>8}{:>6}{:>9}{:>8}{:>6}{:>9}{:>9}{:>8}{:>11}  best".format(
-        *head, "best", "quant", "in-GEMM q"), flush=True)  # fmt: skip
+    print("{:<9}{:>5}{:>8}{:>6}{:>8}{:>6}{:>9}{:>8}{:>6}{:>9}{:>9}{:>8}  best".format(
+        *head, "best", "quant"), flush=True)  # fmt: skip
     for name, (n, k) in SHAPES.items():
         if name == "audio_head":  # stays bf16
             continue
@@ -98,12 +90,12 @@ def main() -> None:
         ws8 = [quantize_weight(w) for w in ws]
         for m in (int(b) for b in args.batches.split(",")):
             row = _row(x_of(m, k), ws, ws8, counters, args.sweep)
-            bf16, smm, fast, ours, ours_tma, best, quant, in_gemm = row
+            bf16, smm, fast, ours, ours_tma, best, quant = row
             print(
                 f"{name:<9}{m:>5}{bf16 * 1e3:>8.1f}{2 * n * k / bf16 / 1e9:>6.2f}"
                 f"{smm * 1e3:>8.1f}{n * k / smm / 1e9:>6.2f}{fast * 1e3:>9.1f}{ours * 1e3:>8.1f}"
                 f"{n * k / ours / 1e9:>6.2f}{ours_tma * 1e3:>9.1f}{best[0] * 1e3:>9.1f}"
-                f"{quant * 1e3:>8.1f}{in_gemm * 1e3:>11.1f}  {best[1]}",
+                f"{quant * 1e3:>8.1f}  {best[1]}",
                 flush=True,
             )
         del ws, ws8
@@ -114,8 +106,7 @@ def x_of(m: int, k: int) -> torch.Tensor:
 
 
 def _row(x, ws, ws8, counters, sweep: bool) -> tuple:
-    """(bf16, _scaled_mm, _scaled_mm fast, ours, ours tma, (best, label), quantize, ours
-    quantizing x in the GEMM) ms."""
+    """(bf16, _scaled_mm, _scaled_mm fast, ours, ours tma, (best, label), quantize) ms."""
     m, (n, k) = x.shape[0], ws[0].shape
     x8, xs = quantize_rows(x)
     ref = F.linear(x8.float() * xs, ws8[0][0].float() * ws8[0][1].t())
@@ -135,21 +126,7 @@ def _row(x, ws, ws8, counters, sweep: bool) -> tuple:
             ours[i] = _skinny(x8, xs, ws8, counters, kw, ref, f"default tma={tma}")
         if sweep:
             best = _sweep(x8, xs, ws8, counters, ref, m, n, k)
-    in_gemm = _in_gemm(x, ws8, counters) if m <= MAX_ROWS else float("nan")
-    return (bf16, *scaled, *ours, best, quant, in_gemm)
-
-
-def _in_gemm(x, ws8, counters) -> float:
-    """Our GEMM over bf16 x, quantized in the kernel per row and tile (TMA tiles), checked
-    against its reference first."""
-    (m, k), n = x.shape, ws8[0][0].shape[0]
-    tiles = tile_scaled_tiles(m, n, k, tma=True)
-    kw = dict(tma=True, out_dtype=torch.bfloat16, **tiles)
-    ref = tile_scaled_reference(x, *ws8[0], tiles["block_k"])
-    _checked(skinny_gemm(x, ws8[0][0], counters, weight_scale=ws8[0][1], **kw), ref, "in-GEMM")
-    return bench(
-        graphed(lambda: [skinny_gemm(x, w, counters, weight_scale=s, **kw) for w, s in ws8])
-    )
+    return (bf16, *scaled, *ours, best, quant)
 
 
 if __name__ == "__main__":

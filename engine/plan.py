@@ -73,11 +73,6 @@ class ExecutionPlan:
     # graphs sharing the backbone's cuBLAS workspace (fixed since), kept as a fallback. Off,
     # a 272-token step multiplies 272 rows, not 512: 4-5% more audio-s/s served (H100)
     fp8_pow2_rows: bool = False
-    # with quantization="fp8", in steps our GEMM takes (few_row_fp8_rows): the o and down
-    # projections' inputs, which no norm kernel quantizes, quantized inside the GEMM, a scale
-    # per row and tile of columns, instead of by a launch of their own (72 a step). Off until
-    # measured on a GPU
-    fp8_tile_scales: bool = False
     cuda_graphs: bool = False  # FULL backbone graphs over `graph_buckets` (Triton backend)
     graph_buckets: tuple[int, ...] = DEFAULT_BUCKETS
     sampler_graphs: bool = False  # one graph per sampler row bucket
@@ -164,11 +159,6 @@ def check_overrides(overrides: Mapping[str, object], device: str) -> None:
             "few_row_fp8_rows needs fused_ops on a CUDA device",
         ),
         (tma is True and (cpu or not fused), "few_row_gemm_tma needs fused_ops on a CUDA device"),
-        (
-            o.get("fp8_tile_scales") is True
-            and (cpu or not fused or not o.get("few_row_fp8_rows", 1)),
-            "fp8_tile_scales needs fused_ops on a CUDA device and the few-row fp8 GEMM",
-        ),
         (
             o.get("fp8_pow2_rows") is True and cpu,
             "fp8_pow2_rows is a setting of the CUDA fp8 matmul (torch._scaled_mm)",
@@ -279,7 +269,6 @@ def resolve(config, model_config, device) -> ExecutionPlan:
         if rows or o.get("few_row_fp8_rows", fused and config.quantization == "fp8")
         else False,
         fp8_pow2_rows=o.get("fp8_pow2_rows", False),
-        fp8_tile_scales=o.get("fp8_tile_scales", False),
         cuda_graphs=graphs and triton,
         graph_buckets=tuple(o.get("graph_buckets", DEFAULT_BUCKETS)),
         sampler_graphs=graphs,

@@ -109,26 +109,14 @@ class Fp8Ops:
     RMSNorm kernel, or one SiLU-mul + quantize launch, else one quantize launch), then steps
     of up to `max_rows` tokens multiply in our few-row GEMM (kernels/skinny_gemm.py, `tma`:
     its tiles through the copy engine) and larger ones through the scaled fp8 matmul (over a
-    power-of-two row count where `pow2_rows`): the same arithmetic either way. With
-    `tile_scales`, the few-row GEMM quantizes o's and down's inputs itself with a scale per
-    row and chunk of columns, so those differ from the per-row scales of larger steps by
-    fp8 rounding. Everything else is the base's."""
+    power-of-two row count where `pow2_rows`): the same arithmetic either way. Everything
+    else is the base's."""
 
     def __init__(
-        self,
-        base,
-        fused: bool,
-        dtype: torch.dtype,
-        device,
-        max_rows=0,
-        tma=False,
-        pow2_rows=False,
-        tile_scales=False,
+        self, base, fused: bool, dtype: torch.dtype, device, max_rows=0, tma=False, pow2_rows=False
     ):
         self.base = base
         self.pow2_rows = pow2_rows
-        # o's and down's inputs quantized in our GEMM (a scale per row and tile of columns)
-        self.tile_scales = tile_scales and bool(max_rows)
         self.fused = fused  # Triton quantization kernels (CUDA with the fused ops)
         self.dtype = dtype  # of activations and every projection's output
         self.max_rows, self.tma = max_rows, tma
@@ -166,30 +154,12 @@ class Fp8Ops:
         data, scale, total = add_rms_norm_fp8(x, residual, weight, eps)
         return QuantizedRows(data, scale), total
 
-    def _tile_scaled(self, x: torch.Tensor, layer: Fp8Linear, gated: bool = False):
-        """`x` (model dtype) times the float8 weight in our GEMM, which quantizes x itself, a
-        scale per row and tile of columns; None where the step is too large for it."""
-        if not self.tile_scales or x.shape[0] > self.max_rows:
-            return None
-        from kernels.skinny_gemm import skinny_gemm, tile_scaled_tiles
-
-        tiles = tile_scaled_tiles(x.shape[0], *layer.weight.shape, self.tma, gated)
-        scales = dict(weight_scale=layer.weight_scale, out_dtype=self.dtype)
-        return skinny_gemm(
-            x, layer.weight, self.counters, gated=gated, tma=self.tma, **scales, **tiles
-        )
-
     def linear(self, layer: Fp8Linear, x) -> torch.Tensor:
-        if isinstance(x, QuantizedRows):
-            return self._matmul(x, layer)
-        out = self._tile_scaled(x, layer)
-        return self._matmul(self._quantize(x), layer) if out is None else out
+        return self._matmul(x if isinstance(x, QuantizedRows) else self._quantize(x), layer)
 
     def gated_linear(self, layer: Fp8Linear, gate_up: torch.Tensor) -> torch.Tensor:
-        """The MLP's down projection of silu(gate) * up: SiLU and quantization in one kernel
-        (or in the GEMM itself, with tile scales)."""
-        out = self._tile_scaled(gate_up, layer, gated=True)
-        return self._matmul(self._quantize(gate_up, gated=True), layer) if out is None else out
+        """The MLP's down projection of silu(gate) * up: SiLU and quantization in one kernel."""
+        return self._matmul(self._quantize(gate_up, gated=True), layer)
 
 
 PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
@@ -231,7 +201,5 @@ def quantize_model(model: nn.Module, plan) -> None:
     return_cached_memory(device)
     fused = device.type == "cuda" and model.fused_ops
     rows, tma = plan.few_row_fp8_rows, plan.few_row_gemm_tma
-    pow2, tiles = plan.fp8_pow2_rows, plan.fp8_tile_scales
-    model.ops = Fp8Ops(
-        model.ops, fused, dtype, device, rows, tma=tma, pow2_rows=pow2, tile_scales=tiles
-    )
+    pow2 = plan.fp8_pow2_rows
+    model.ops = Fp8Ops(model.ops, fused, dtype, device, max_rows=rows, tma=tma, pow2_rows=pow2)

@@ -52,20 +52,13 @@ def fp8_scales(amax):
 
 
 @triton.jit
-def scaled_to_e4m3(y, inverse, SOFT_ROUND: tl.constexpr):
-    """`y * inverse` (fp32) clamped to +-448, ready for the cast to float8 e4m3. SOFT_ROUND
-    (the interpreter): rounded by `round_to_e4m3`; on a GPU the cast itself
+def store_fp8(y, mask, q_ptr, inverse, SOFT_ROUND: tl.constexpr):
+    """Stores `y * inverse` (fp32 `[BLOCK]`, clamped to +-448) as float8 at `q_ptr + lane`.
+    SOFT_ROUND (the interpreter): rounded by `round_to_e4m3`; on a GPU the cast itself
     (cvt.rn.satfinite) rounds the same way."""
     q = tl.clamp(y * inverse, -448.0, 448.0)
     if SOFT_ROUND:
         q = round_to_e4m3(q)
-    return q
-
-
-@triton.jit
-def store_fp8(y, mask, q_ptr, inverse, SOFT_ROUND: tl.constexpr):
-    """Stores `y * inverse` (fp32 `[BLOCK]`) as float8 at `q_ptr + lane` (`scaled_to_e4m3`)."""
-    q = scaled_to_e4m3(y, inverse, SOFT_ROUND)
     tl.store(q_ptr + tl.arange(0, y.shape[0]), q.to(q_ptr.dtype.element_ty), mask=mask)
 
 

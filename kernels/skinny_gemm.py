@@ -20,7 +20,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8_quant import fp8_scales, scaled_to_e4m3, soft_round
 from kernels.launch import hopper_or_later, pdl_enter, pdl_launch
 
 # x tiles of up to 128 rows (the fp32 accumulator [BN, 128]: skinny_tiles gives 8 warps from
@@ -54,32 +53,11 @@ def _x_tile(x_cols, k, m_ok, hi, K, GATED: tl.constexpr, MASK_K: tl.constexpr):
 
 
 @triton.jit
-def _tile_quantized_dot(w, x, acc, ROWS_AXIS: tl.constexpr, IEEE: tl.constexpr,
-                        SOFT_ROUND: tl.constexpr):  # fmt: skip
-    """acc + (w . x) for an x tile in the model dtype quantized here: each x row's values in
-    this tile scaled by their own absolute maximum to float8 (fp8_quant's rounding),
-    multiplied with the float8 weight tile, the sums scaled back. ROWS_AXIS: x's axis that
-    holds its rows (1: `[BK, BM]`, 0: `[BM, BK]`, then transposed)."""
-    xf = x.to(tl.float32)
-    scale, inverse = fp8_scales(tl.max(tl.abs(xf), axis=1 - ROWS_AXIS))
-    if ROWS_AXIS == 1:
-        q = scaled_to_e4m3(xf, inverse[None, :], SOFT_ROUND)
-    else:
-        q = tl.trans(scaled_to_e4m3(xf, inverse[:, None], SOFT_ROUND))
-    if IEEE:
-        part = tl.dot(w.to(tl.float32), q, input_precision="ieee")
-    else:
-        part = tl.dot(w, q.to(w.dtype))
-    return acc + part * scale[None, :]
-
-
-@triton.jit
 def _skinny_gemm_kernel(
     x_ptr, up_ptr, w_ptr, ws_ptr, xs_ptr, out_ptr, part_ptr, count_ptr, M, N, K, stride_xm,
     stride_wn, stride_om, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     SPLIT: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, GATED: tl.constexpr,
-    TMA: tl.constexpr, FP8: tl.constexpr, TILE_SCALES: tl.constexpr, SOFT_ROUND: tl.constexpr,
-    PDL: tl.constexpr,
+    TMA: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     # Grid (N / BN, SPLIT). The tile is transposed (acc[n, m] = W[n, :] . x[m, :]) so that the
     # weight's rows are the tensor-core tile's tall side and the few x rows its narrow one.
@@ -89,8 +67,6 @@ def _skinny_gemm_kernel(
     # weight row (ws_ptr) and per x row (xs_ptr): the tensor cores' fp8 dot with fp32 sums
     # (widened to fp32 products where the output is fp32: the CPU interpreter), both scales
     # applied to the sums, the arithmetic of torch._scaled_mm with row-wise scales.
-    # TILE_SCALES: w is float8 and x in the model dtype, quantized here tile by tile (one
-    # scale per x row and BK columns, _tile_quantized_dot), so no launch quantizes it first.
     tile, split = tl.program_id(0), tl.program_id(1)
     n = tile * BN + tl.arange(0, BN)
     m = tl.arange(0, BM)
@@ -109,12 +85,9 @@ def _skinny_gemm_kernel(
             x = x_ptr.load([0, k0])
             if GATED:  # x holds [gate | up]
                 x = _silu_mul(x, up_ptr.load([0, k0]))
-            if TILE_SCALES:
-                acc = _tile_quantized_dot(w, x, acc, 0, IEEE, SOFT_ROUND)
-            else:
-                if FP8 and IEEE:
-                    w, x = w.to(tl.float32), x.to(tl.float32)
-                acc = _dot(w, tl.trans(x), acc, IEEE)
+            if FP8 and IEEE:
+                w, x = w.to(tl.float32), x.to(tl.float32)
+            acc = _dot(w, tl.trans(x), acc, IEEE)
     else:
         for k0 in range(lo, hi, BK):
             k = k0 + tl.arange(0, BK)
@@ -123,15 +96,10 @@ def _skinny_gemm_kernel(
             else:
                 w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < hi)[None, :], other=0.0)
             x = _x_tile(x_cols, k, m_ok, hi, K, GATED, not EVEN_K)
-            if TILE_SCALES:
-                acc = _tile_quantized_dot(w, x, acc, 1, IEEE, SOFT_ROUND)
-            else:
-                if FP8 and IEEE:
-                    w, x = w.to(tl.float32), x.to(tl.float32)
-                acc = _dot(w, x, acc, IEEE)
-    if TILE_SCALES:  # x's scales are in the sums already
-        acc *= tl.load(ws_ptr + n, mask=n_ok, other=0.0)[:, None]
-    elif FP8:
+            if FP8 and IEEE:
+                w, x = w.to(tl.float32), x.to(tl.float32)
+            acc = _dot(w, x, acc, IEEE)
+    if FP8:
         w_scale = tl.load(ws_ptr + n, mask=n_ok, other=0.0)
         acc *= w_scale[:, None] * tl.load(xs_ptr + m, mask=m_ok, other=0.0)[None, :]
     out_at = out_ptr + m[None, :] * stride_om + n[:, None]
@@ -199,30 +167,6 @@ def skinny_tiles(m: int, n: int, k: int, tma: bool = False, element_size: int = 
     return dict(block_m=bm, block_n=bn, block_k=bk, split=split, num_warps=warps, num_stages=stages)
 
 
-def tile_scaled_tiles(m: int, n: int, k: int, tma: bool = False, gated: bool = False) -> dict:
-    """Tiles for float8 weights beside an x in two-byte elements quantized in the kernel
-    (`skinny_gemm` without x_scale): the fp8 tiles (`skinny_tiles(..., element_size=1)`),
-    with stages dropped (down to two), then the chunk of columns halved, until the weight's
-    one-byte and x's two-byte tiles of every stage (two x tiles where gated: gate and up)
-    and the fp32 epilogue fit the shared memory. The chunk is first cut to 8,192 x values
-    (64 fp32 registers a thread at four warps): the kernel holds the x tile in fp32 to find
-    its scales, and larger ones spilled registers (H100, 64-128 rows: 38-378 spills, a gated
-    128-row product 2.6x slower). Not swept yet."""
-    tiles = skinny_tiles(m, n, k, tma, element_size=1)
-    bm, bn = tiles["block_m"], tiles["block_n"]
-    while bm * tiles["block_k"] > 8192 and tiles["block_k"] > 64:
-        tiles["block_k"] //= 2
-    x_bytes = 2 * bm * (2 if gated else 1)  # a stage's x tiles, per column
-    while tiles["num_stages"] * (bn + x_bytes) * tiles["block_k"] + bn * bm * 4 > 220 * 1024:
-        if tiles["num_stages"] > 2:
-            tiles["num_stages"] -= 1
-        elif tiles["block_k"] > 64:
-            tiles["block_k"] //= 2
-        else:
-            break
-    return tiles
-
-
 def _fp8_sweep_tiles(bm: int, n: int, k: int, tma: bool) -> dict | None:
     """Tiles for float8 operands in 64- and 128-row tiles (33-128 rows): the H200 sweep's
     winners (benchmarks/fp8_gemm.py --sweep, docs/perf-log/2026-12-06-session-27.md), each
@@ -280,19 +224,10 @@ def skinny_gemm(
     if m > MAX_ROWS:
         raise ValueError(f"skinny_gemm takes at most {MAX_ROWS} rows, got {m}")
     fp8 = weight.dtype == torch.float8_e4m3fn
-    x_fp8 = x.dtype == torch.float8_e4m3fn
-    tile_scales = fp8 and not x_fp8  # x quantized in the kernel, a scale per row and BK columns
-    if (
-        (x_fp8 and not fp8)
-        or (fp8 and weight_scale is None)
-        or (x_fp8 and (x_scale is None or gated))
-        or (tile_scales and x_scale is not None)
+    if fp8 != (x.dtype == torch.float8_e4m3fn) or (
+        fp8 and (weight_scale is None or x_scale is None or gated)
     ):
-        raise ValueError(
-            "float8 operands: the weight with weight_scale, a float8 x with x_scale (not "
-            "gated); x in the model dtype beside a float8 weight is quantized in the kernel, "
-            "without x_scale"
-        )
+        raise ValueError("float8 operands: both, with weight_scale and x_scale, not gated")
     block_m = block_m or max(16, triton.next_power_of_2(m))
     tiles = triton.cdiv(n, block_n)
     if split > 1 and (counters.dtype != torch.int32 or counters.numel() < tiles):
@@ -316,7 +251,7 @@ def skinny_gemm(
         up_arg,
         w_arg,
         weight_scale if fp8 else out,
-        x_scale if x_fp8 else out,
+        x_scale if fp8 else out,
         out,
         parts,
         counters,
@@ -335,27 +270,8 @@ def skinny_gemm(
         GATED=gated,
         TMA=tma,
         FP8=fp8,
-        TILE_SCALES=tile_scales,
-        SOFT_ROUND=soft_round(),
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl_launch(),
     )
     return out
-
-
-def tile_scaled_reference(x, weight, weight_scale, block_k: int, gated: bool = False):
-    """What `skinny_gemm` computes for a float8 weight beside x in the model dtype, in fp32:
-    x (silu(gate) * up where gated, rounded to x's dtype) quantized per row and chunk of
-    `block_k` columns (fp8_quant's rounding: amax / 448 per chunk), each chunk's product
-    scaled by its x scale, the sum by the weight's."""
-    from kernels.fp8_quant import quantize_rows_reference
-    from kernels.norm_rope import silu_mul_reference
-
-    x = silu_mul_reference(x) if gated else x
-    w = weight.float()
-    out = torch.zeros(x.shape[0], w.shape[0], dtype=torch.float32, device=x.device)
-    for k0 in range(0, x.shape[1], block_k):
-        q, scale = quantize_rows_reference(x[:, k0 : k0 + block_k])
-        out += (q.float() @ w[:, k0 : k0 + block_k].t()) * scale
-    return out * weight_scale.float()

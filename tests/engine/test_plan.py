@@ -83,18 +83,6 @@ def test_fp8_row_padding_is_a_cuda_setting(tiny_ckpt):
         EngineConfig(plan_overrides={"fp8_pow2_rows": True})
 
 
-def test_fp8_tile_scales_are_a_setting_of_the_cuda_few_row_fp8_gemm(tiny_ckpt):
-    """Off unless asked for (not yet measured on a GPU); refused on the CPU and where the
-    few-row fp8 GEMM, which does the quantizing, is off."""
-    _, model_config = read_config(tiny_ckpt)
-    assert resolve(EngineConfig(quantization="fp8"), model_config, CPU).fp8_tile_scales is False
-    with pytest.raises(ConfigError, match="fp8_tile_scales needs fused_ops on a CUDA device"):
-        EngineConfig(plan_overrides={"fp8_tile_scales": True})
-    with pytest.raises(ConfigError, match="and the few-row fp8 GEMM"):
-        EngineConfig(device="cuda", plan_overrides={"fp8_tile_scales": True, "few_row_fp8_rows": 0})
-    assert EngineConfig(device="cuda", plan_overrides={"fp8_tile_scales": True})
-
-
 @pytest.mark.parametrize(
     "overrides, eager, want",
     [

@@ -106,10 +106,18 @@ def test_skinny_gemm_over_float8_operands(loads, m, n, k, split):
         skinny_gemm(x8.float(), w8, counters, **scales, **knobs)
 
 
+@pytest.mark.skipif(
+    DEVICE == "cuda",
+    reason="the interpreter's fp32 products; on a GPU: test_skinny_fp8_higgs_shapes_in_bf16",
+)
 @pytest.mark.parametrize("m, n, k", [(40, 128, 2560), (100, 64, 4096)])
 def test_skinny_gemm_with_the_swept_fp8_tiles(m, n, k):
     """The engine's tiles for float8 operands at 33-128 rows (256-column chunks in four
-    stages, K split in three) at the Higgs widths: the same sums as the dequantized product."""
+    stages, K split in three) at the Higgs widths: the same sums as the dequantized product.
+    An fp32 output asks for fp32 products (the interpreter's exact arithmetic), whose fp32
+    tiles in four stages overflow a GPU's shared memory (344,064 bytes asked for on an H100,
+    2026-12-07): on a GPU the engine's fp8 products at these tiles are checked by
+    test_skinny_fp8_higgs_shapes_in_bf16."""
     from kernels.skinny_gemm import skinny_tiles
 
     tiles = skinny_tiles(m, n, k, element_size=1)
@@ -141,107 +149,6 @@ def test_skinny_fp8_higgs_shapes_in_bf16(m, n, k, tma):
     ref = F.linear(x8.float() * x_scale, w8.float() * w_scale.t())
     err = float((out.float() - ref).norm() / ref.norm())
     assert out.dtype == torch.bfloat16 and err < 1e-2, err  # bf16 output rounding only
-
-
-@pytest.mark.parametrize("loads", [{}, {"tma": True}])
-@pytest.mark.parametrize(
-    "m, n, k, block_k, split, gated",
-    [
-        (1, 48, 64, 32, 1, False),
-        (5, 64, 80, 32, 3, False),  # K not a whole number of chunks, uneven splits
-        (16, 32, 128, 32, 2, True),
-        (40, 32, 96, 64, 1, True),  # rows padded to 64, a part chunk
-    ],
-)
-def test_skinny_gemm_quantizes_a_model_dtype_x_per_tile(loads, m, n, k, block_k, split, gated):
-    """A float8 weight beside x in the model dtype (no x_scale): the GEMM quantizes each x row
-    per chunk of BK columns itself (SiLU-mul first where gated) and scales each chunk's sums:
-    the reference's arithmetic, whatever the split."""
-    from kernels.skinny_gemm import tile_scaled_reference
-
-    w8, w_scale = _fp8_weight(n, k, seed=m)
-    g = torch.Generator().manual_seed(m + 1)
-    x = (3 * torch.randn(m, 2 * k if gated else k, generator=g)).to(DEVICE)
-    counters = torch.zeros(8, dtype=torch.int32, device=DEVICE)
-    knobs = dict(block_n=16, block_k=block_k, split=split, num_stages=2, **loads)
-    out = skinny_gemm(x, w8, counters, gated=gated, weight_scale=w_scale, **knobs)
-    ref = tile_scaled_reference(x, w8, w_scale, block_k, gated)
-    tol = 1e-4 if gated else 1e-5  # gated: Triton's exp against torch's in the SiLU
-    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
-    assert int(counters.abs().sum()) == 0
-    with pytest.raises(ValueError, match="without x_scale"):
-        skinny_gemm(x, w8, counters, gated=gated, weight_scale=w_scale, x_scale=w_scale, **knobs)
-
-
-def test_tile_scales_follow_a_row_that_is_loud_in_one_chunk_only():
-    """A row whose first chunk holds one loud value (exact in fp8) and whose other chunks
-    are quiet: its per-row scale puts the quiet values below e4m3's smallest step, while
-    per-chunk scales keep them to 3 bits; the tile-scaled product is far the closer to the
-    exact one."""
-    k, block_k = 128, 32
-    w8, w_scale = _fp8_weight(16, k, seed=7)
-    g = torch.Generator().manual_seed(8)
-    x = (torch.randn(2, k, generator=g) * 1e-3).to(DEVICE)
-    x[:, :block_k] = 0.0
-    x[:, 5] = 256.0  # its row's (and its chunk's) maximum: 448 exactly
-    exact = F.linear(x, w8.float() * w_scale.t())
-    counters = torch.zeros(8, dtype=torch.int32, device=DEVICE)
-    knobs = dict(block_n=16, block_k=block_k, split=1, num_stages=2, out_dtype=torch.float32)
-    tiles = skinny_gemm(x, w8, counters, weight_scale=w_scale, **knobs)
-    x8, x_scale = quantize_rows(x)
-    rows = skinny_gemm(x8, w8, counters, weight_scale=w_scale, x_scale=x_scale, **knobs)
-    # over 40 seeds the per-row error was 7-32x the tile-scaled one
-    assert (tiles - exact).abs().max() < 0.25 * (rows - exact).abs().max()
-
-
-@pytest.mark.parametrize("m", [1, 16, 32, 64, 80, 128])
-@pytest.mark.parametrize("n, k, gated", [(2560, 4096, False), (2560, 9728, True)])
-def test_tile_scaled_tiles_fit_the_shared_memory_with_two_byte_x(m, n, k, gated):
-    """o and down (gated: a gate and an up tile a stage), the projections whose inputs are
-    quantized in the GEMM: the fp8 tiles with x's tiles in two bytes still fit (stages
-    dropped first), the fp32 copy of an x tile holds at most 8,192 values (more spilled
-    registers), and no smaller than needed: one stage more would not fit, or the fp8 tiles'
-    stages were kept."""
-    from kernels.skinny_gemm import skinny_tiles, tile_scaled_tiles
-
-    def smem(t, stages):
-        x_tiles = 2 if gated else 1
-        return stages * (t["block_n"] + 2 * x_tiles * t["block_m"]) * t["block_k"] + (
-            t["block_n"] * t["block_m"] * 4
-        )
-
-    t = tile_scaled_tiles(m, n, k, tma=True, gated=gated)
-    fp8 = skinny_tiles(m, n, k, True, element_size=1)
-    assert smem(t, t["num_stages"]) <= 220 * 1024
-    assert t["block_m"] * t["block_k"] <= 8192 or t["block_k"] == 64
-    assert (t["block_n"], t["split"], t["block_m"]) == (
-        fp8["block_n"],
-        fp8["split"],
-        fp8["block_m"],
-    )
-    kept = t["num_stages"] == fp8["num_stages"]
-    assert kept or smem(t, t["num_stages"] + 1) > 220 * 1024
-
-
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
-@pytest.mark.parametrize("m", [1, 16, 32, 64, 128])
-@pytest.mark.parametrize("n, k, gated", [(2560, 4096, False), (2560, 9728, True)])
-@pytest.mark.parametrize("tma", [False, True])
-def test_tile_scaled_higgs_shapes_in_bf16(m, n, k, gated, tma):
-    """o and down as the engine runs them with `fp8_tile_scales`: bf16 x (down: [gate | up]),
-    the engine's tiles; against the reference's fp32 sums, bf16 output rounding only."""
-    from kernels.skinny_gemm import tile_scaled_reference, tile_scaled_tiles
-
-    w8, w_scale = _fp8_weight(n, k, seed=2)
-    x = torch.randn(m, 2 * k if gated else k, device="cuda").bfloat16()
-    counters = torch.zeros(4096, dtype=torch.int32, device="cuda")
-    tiles = tile_scaled_tiles(m, n, k, tma, gated)
-    scales = dict(weight_scale=w_scale, out_dtype=torch.bfloat16)
-    out = skinny_gemm(x, w8, counters, gated=gated, tma=tma, **scales, **tiles)
-    ref = tile_scaled_reference(x, w8, w_scale, tiles["block_k"], gated)
-    err = float((out.float() - ref).norm() / ref.norm())
-    assert out.dtype == torch.bfloat16 and err < 1e-2, err
 
 
 @pytest.mark.cuda
