@@ -136,13 +136,13 @@ def skinny_tiles(m: int, n: int, k: int, tma: bool = False, element_size: int = 
     With `tma` the wide outputs take the TMA sweep's best at one row instead (qkv: four
     stages; gate-up, 19,456 rows: 128-row tiles of 128 columns, eight warps). Taller x tiles
     (more than 16 rows) drop pipeline stages to fit the shared memory, down to two, then
-    halve the chunk of columns. fp8 operands in 64- and 128-row tiles take the fp8 sweep's
-    winners where it found better (`_fp8_sweep_tiles`). Otherwise, up to 64 rows the budget
+    halve the chunk of columns. fp8 operands take the fp8 sweeps' winners where they found
+    better (`_fp8_sweep_tiles`). Otherwise, up to 64 rows the budget
     reckons two bytes an element, fp8 operands too (the measured fp8 defaults are those
     tiles); above, `element_size` bytes (only fp8 weights take this kernel there), and eight
     warps where the fp32 accumulator holds 16,384 elements (128 a thread, not 256)."""
     bm = max(16, triton.next_power_of_2(m))
-    swept = _fp8_sweep_tiles(bm, n, k, tma) if element_size == 1 and bm >= 64 else None
+    swept = _fp8_sweep_tiles(bm, n, k, tma) if element_size == 1 else None
     if swept is not None:
         return swept
     warps = 4
@@ -173,12 +173,17 @@ def _fp8_sweep_tiles(bm: int, n: int, k: int, tma: bool) -> dict | None:
     8-30% faster than the two-byte rules above: narrow outputs (o, down) and qkv stream
     64-row weight slabs of 256 columns in four stages (qkv in 64-row tiles: 512 columns, three),
     the narrow ones split in three; gate-up's TMA tiles take four warps and four stages at
-    64 rows. They fit the shared memory in fp8 bytes (each compiled and ran there). None where
-    the rules above won or nothing was measured (gate-up at 128 rows or without TMA, narrow
-    K)."""
+    64 rows. They fit the shared memory in fp8 bytes (each compiled and ran there). In 16-
+    and 32-row tiles (1-32 rows) the narrow outputs' tiles are the same: the H100 sweep's
+    winners there (docs/perf-log/2026-12-07-session-31.md; o 8.8 / 9.2 us, down 13.5 / 14.1
+    at 16 / 32 rows against 9.7 / 10.2 and 15.4 / 16.3 for the two-byte rules with TMA); qkv
+    and gate-up gained under 0.4 us there and keep the rules. None where the rules above won
+    or nothing was measured (gate-up at 128 rows or without TMA, narrow K)."""
     if k < 2048:  # measured at the Higgs widths (K 2,560 to 9,728) only
         return None
     wide = triton.cdiv(n, 64) >= 96
+    if wide and bm < 64:
+        return None
     if wide and n >= 16384:  # gate-up
         if bm == 64 and tma:
             return dict(block_m=64, block_n=128, block_k=128, split=1, num_warps=4, num_stages=4)
