@@ -143,5 +143,8 @@ def quantize_rows_reference(x: torch.Tensor, gated: bool = False):
         x = torch.nn.functional.silu(gate) * up
     xf = x.float()
     amax = xf.abs().amax(-1, keepdim=True).clamp(min=MIN_AMAX)
-    q = (xf * (FP8_MAX / amax)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q, amax / FP8_MAX
+    # Tensor by tensor: rounded divisions, as the kernels' div_rn. With a Python number on
+    # either side torch divides by way of a reciprocal on CUDA (one ulp off, seen on an H100).
+    top = torch.full_like(amax, FP8_MAX)
+    q = (xf * (top / amax)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, amax / top
