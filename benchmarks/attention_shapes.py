@@ -4,6 +4,7 @@ top five settings per case, then one table. `--graphs` times each call replayed 
 graph (as the engine runs them) instead of launched from Python.
 
     python benchmarks/attention_shapes.py [--quick] [--prefetch] [--cases ...] [--graphs]
+        [--kv-dtype fp8]
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from kernels.paged_attention import (
 from kernels.paged_decode import decode_splits, paged_decode_attention
 
 GRAPHS = False  # --graphs: time graph replays
+KV_DTYPE = torch.bfloat16  # --kv-dtype fp8: a float8 (e4m3) cache, as CLONECAST_KV_CACHE_DTYPE
 
 
 def _bench(fn, **kw) -> float:
@@ -50,8 +52,8 @@ def make(q_lens, ctx_lens):
     seq_lens = [q + c for q, c in zip(q_lens, ctx_lens, strict=True)]
     pages = max(-(-s // page) for s in seq_lens)
     nblocks = len(q_lens) * pages + 1
-    k = torch.randn(nblocks, page, hkv, d, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn_like(k)
+    k = torch.randn(nblocks, page, hkv, d, device="cuda", dtype=torch.bfloat16).to(KV_DTYPE)
+    v = torch.randn(k.shape, device="cuda", dtype=torch.bfloat16).to(KV_DTYPE)
     tables = (torch.randperm(nblocks - 1, device="cuda")[: len(q_lens) * pages] + 1).view(
         len(q_lens), pages
     )
@@ -60,7 +62,7 @@ def make(q_lens, ctx_lens):
     )
     q = torch.randn(sum(q_lens), 32, d, device="cuda", dtype=torch.bfloat16)
     lens = torch.tensor(seq_lens, device="cuda", dtype=torch.int64)
-    kv_bytes = sum(seq_lens) * hkv * d * 2 * 2
+    kv_bytes = sum(seq_lens) * hkv * d * 2 * k.element_size()
     # int64 index tensors, as the engine passes them (views of its staging buffer)
     return (q, k, v, qsl, lens, tables.long()), kv_bytes
 
@@ -140,9 +142,11 @@ def main() -> None:
         "--prefetch", action="store_true", help="sweep the one-pass kernel with page prefetch"
     )
     ap.add_argument("--graphs", action="store_true", help="time CUDA graph replays")
+    ap.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16", help="the cache's")
     args_ = ap.parse_args()
-    global GRAPHS
+    global GRAPHS, KV_DTYPE
     GRAPHS = args_.graphs
+    KV_DTYPE = torch.float8_e4m3fn if args_.kv_dtype == "fp8" else torch.bfloat16
     quick = args_.quick
     wanted = [c for c in args_.cases.split(",") if c]
     rows = []

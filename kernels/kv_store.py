@@ -9,7 +9,7 @@ them, so writing them would only cost bandwidth. The torch reference is
 `engine.attention.store_kv`, which writes every row including padding.
 
 A float8 (e4m3) cache stores each value rounded to nearest and saturated at +-448 (`to_cache`,
-also used by the other kernels that write the cache); readers convert back to the query dtype.
+also used by the other kernels that write the cache); the attention kernels widen it to fp16.
 """
 
 from __future__ import annotations

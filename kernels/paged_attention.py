@@ -48,6 +48,19 @@ def _load_k(k_ptr, offs, d, n_ok, K_ROWS: tl.constexpr):
 
 
 @triton.jit
+def _load_v(v_ptr, offs, d, n_ok, DTYPE: tl.constexpr):
+    """V tile `[N, D]` for `p @ v`, in DTYPE. A float8 tile goes through a select on the mask
+    (a no-op: masked rows load as 0) that makes Triton widen it in registers and stage it in
+    shared memory as fp16, read back with ldmatrix.trans; without it Triton stages float8 and
+    reads the transposed operand a byte at a time (ld.shared.b8, 32 a thread per 32-key tile,
+    in the sm_90 code tests/kernels/test_sm90_compile.py reads)."""
+    v = tl.load(v_ptr + offs[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
+    if v_ptr.dtype.element_ty == tl.float8e4nv:
+        return tl.where(n_ok[:, None], v.to(DTYPE), 0.0).to(DTYPE)
+    return v.to(DTYPE)
+
+
+@triton.jit
 def _program_ids(HEADS_FIRST: tl.constexpr):
     """(sequence, query block, KV head) of a one-pass program. With HEADS_FIRST the grid is
     (KV heads, query blocks, sequences): the programs of one sequence's heads are launched
@@ -167,6 +180,12 @@ def _paged_attention_kernel(
         tl.store(v_ptr + cols + D // 2, to_cache(x2, cdtype), mask=is_v)
         tl.debug_barrier()
 
+    # A float8 cache is widened to fp16, and q and p meet it in fp16: e4m3 pairs widen to
+    # fp16 in one instruction (cvt.rn.f16x2.e4m3x2; to bf16 each value takes one more) and fp16
+    # holds every e4m3 value exactly.
+    OPERAND: tl.constexpr = (
+        tl.float16 if k_ptr.dtype.element_ty == tl.float8e4nv else q_ptr.dtype.element_ty
+    )
     rows = tl.arange(0, BLOCK_M * G)
     token = mblock * BLOCK_M + rows // G  # query token within the sequence
     head = kv_head * G + rows % G
@@ -177,7 +196,7 @@ def _paged_attention_kernel(
         q_ptr + (q_start + token)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
         mask=row_ok[:, None],
         other=0.0,
-    )
+    ).to(OPERAND)
 
     m_i = tl.full([BLOCK_M * G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M * G], tl.float32)
@@ -199,16 +218,15 @@ def _paged_attention_kernel(
         else:
             page = tl.load(pages + n // PAGE, mask=n_ok, other=0)
             offs = _kv_offsets(page, n, kv_head, PAGE, stride_kb, stride_ks, stride_kh)
-        k = _load_k(k_ptr, offs, d, n_ok, K_ROWS).to(q.dtype)  # a float8 cache: widened
+        k = _load_k(k_ptr, offs, d, n_ok, K_ROWS).to(OPERAND)
         s = tl.dot(q, k) * qk_scale
         s = tl.where((n[None, :] <= q_pos[:, None]) & n_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + offs[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
-        v = v.to(q.dtype)  # [N, D]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        v = _load_v(v_ptr, offs, d, n_ok, OPERAND)
+        acc = acc * alpha[:, None] + tl.dot(p.to(OPERAND), v)
         m_i = m_new
 
     out = acc / l_i[:, None]

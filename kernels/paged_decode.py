@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from kernels.launch import pdl_enter, pdl_launch
-from kernels.paged_attention import _LOG2E, _check_same_strides, _kv_offsets, _load_k
+from kernels.paged_attention import _LOG2E, _check_same_strides, _kv_offsets, _load_k, _load_v
 
 
 @triton.jit
@@ -63,11 +63,15 @@ def _decode_split_kernel(
     row_ok = r < G
     head = kv_head * G + r
     d = tl.arange(0, D)
+    # a float8 cache: q, k, p and v in fp16, as in the one-pass kernel (paged_attention.py)
+    OPERAND: tl.constexpr = (
+        tl.float16 if k_ptr.dtype.element_ty == tl.float8e4nv else q_ptr.dtype.element_ty
+    )
     q = tl.load(
         q_ptr + q_start * stride_qt + head[:, None] * stride_qh + d[None, :],
         mask=row_ok[:, None],
         other=0.0,
-    )
+    ).to(OPERAND)
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, D], tl.float32)
@@ -85,15 +89,14 @@ def _decode_split_kernel(
         else:
             page = tl.load(pages + n // PAGE, mask=n_ok, other=0)
             offs = _kv_offsets(page, n, kv_head, PAGE, stride_kb, stride_ks, stride_kh)
-        k = _load_k(k_ptr, offs, d, n_ok, K_ROWS).to(q.dtype)  # a float8 cache: widened
+        k = _load_k(k_ptr, offs, d, n_ok, K_ROWS).to(OPERAND)
         s = tl.where(n_ok[None, :], tl.dot(q, k) * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + offs[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
-        v = v.to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        v = _load_v(v_ptr, offs, d, n_ok, OPERAND)
+        acc = acc * alpha[:, None] + tl.dot(p.to(OPERAND), v)
         m_i = m_new
     # partials: [num_seqs, Hq, SPLITS, D] (unnormalised) and [num_seqs, Hq, SPLITS, 2] (m, l)
     base = (seq * HQ + head) * SPLITS + split

@@ -148,7 +148,8 @@ def test_fused_decode_refuses_mismatched_inputs():
 @pytest.mark.parametrize("shape, ctx, padding", CASES)
 def test_fused_decode_with_a_float8_cache(shape, ctx, padding):
     """A float8 (e4m3) KV cache: the fused launch stores K/V rounded as the two launches do
-    and reads them back widened; its output equals attention over its own cache."""
+    and reads them back widened; its output equals attention over its own cache, within the
+    fp16 rounding of q and the softmax weights that a float8 cache's attention computes in."""
     hq, hkv, d, page = shape
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
     qkv, cache, positions, slots, meta, real = _decode_batch(
@@ -171,5 +172,5 @@ def test_fused_decode_with_a_float8_cache(shape, ctx, padding):
         torch.testing.assert_close(ours_cache.float(), expected_cache.float(), rtol=0.13, atol=2e-3)
     ref = paged_attention_reference(q, ours_cache[0], ours_cache[1], *meta, scale)
     err = float((out[:real].float() - ref[:real].float()).norm() / ref[:real].float().norm())
-    assert err <= (1e-5 if dtype == torch.float32 else 2e-2)
+    assert err <= (5e-4 if dtype == torch.float32 else 2e-2)
     assert not torch.equal(ours_cache[:, 1:].view(torch.uint8), cache[:, 1:].view(torch.uint8))

@@ -78,8 +78,9 @@ def test_kernel_reads_a_head_major_cache(q_lens, ctx_lens):
 
 @pytest.mark.parametrize("q_lens, ctx_lens", CPU_CASES[:3])
 def test_kernels_read_a_float8_cache(q_lens, ctx_lens):
-    """A float8 (e4m3) KV cache: both kernels widen what they read, so their output equals
-    the reference's attention over the same (rounded) values."""
+    """A float8 (e4m3) KV cache: both kernels widen what they read to fp16 and compute with q
+    and the softmax weights in fp16, so their output is the reference's attention over the
+    same (rounded) keys and values, within fp16's rounding of q and p (2**-11 a value)."""
     from kernels.paged_decode import paged_decode_attention
 
     device = "cuda" if GPU else "cpu"
@@ -87,7 +88,7 @@ def test_kernels_read_a_float8_cache(q_lens, ctx_lens):
     q, k, v, meta = make_batch(q_lens, ctx_lens, 8, 2, 32, 16, dtype, device)
     k, v = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
     ref = paged_attention_reference(q, k, v, *meta, 32**-0.5)
-    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    tol = 5e-4 if dtype == torch.float32 else 1e-2
     assert rel_err(paged_attention(q, k, v, *meta, 32**-0.5, max(q_lens)), ref) <= tol
     if max(q_lens) == 1:
         assert rel_err(paged_decode_attention(q, k, v, *meta, 32**-0.5, 4), ref) <= tol

@@ -130,6 +130,17 @@ def _compile_cases() -> dict[str, int]:
             constexprs = {**SPLIT_DECODE, "PREFETCH": prefetch}
             kernel = compile_sm90(_decode_split_kernel, SPLIT_TYPES, constexprs, 4, stages)
             out[f"split prefetch={prefetch} stages={stages}"] = kernel.metadata.shared
+    fp8 = {n: "*fp8e4nv" for n in ("k_ptr", "v_ptr")}
+    for prefetch in (False, True):  # a float8 cache, at the engine's decode tiles
+        for name, kernel, types, constexprs in (
+            ("attention", _paged_attention_kernel, ATTENTION_TYPES, DECODE | {"BLOCK_N": 32}),
+            ("split", _decode_split_kernel, SPLIT_TYPES, SPLIT_DECODE),
+        ):
+            compiled = compile_sm90(kernel, types | fp8, constexprs | {"PREFETCH": prefetch})
+            ptx = compiled.asm["ptx"]
+            label = f"float8 {name} prefetch={prefetch}"
+            out[f"{label} byte loads"] = ptx.count("ld.shared.b8")
+            out[f"{label} fp16 mma"] = ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16")
     for label, extra in (("", {}), (" one sequence", {"num_seqs": 1})):
         # Triton passes an integer argument of 1 as a constant: the search loop compiles then too
         kernel = compile_sm90(_paged_attention_kernel, ATTENTION_TYPES, MIXED_FLAT | extra, 4, 3)
@@ -199,3 +210,14 @@ def test_page_prefetch_lets_the_split_kv_loop_pipeline(compiled):
     assert shared["prefetch=False stages=4"] - shared["prefetch=False stages=2"] < kv_tiles
     assert shared["prefetch=True stages=3"] - shared["prefetch=True stages=2"] >= kv_tiles
     assert shared["prefetch=True stages=4"] - shared["prefetch=True stages=3"] >= kv_tiles
+
+
+def test_a_float8_cache_is_read_without_byte_loads(compiled):
+    """With a float8 cache both decode kernels multiply in fp16 and stage V widened, read back
+    with ldmatrix.trans: Triton's default staged float8 V and read the transposed operand a
+    byte at a time (32 ld.shared.b8 a thread per 32-key tile), which the select in `_load_v`
+    avoids."""
+    fp8 = {k: v for k, v in compiled.items() if k.startswith("float8")}
+    assert len(fp8) == 2 * 2 * 2  # kernels x prefetch x (byte loads, fp16 mma)
+    assert all(v == 0 for k, v in fp8.items() if k.endswith("byte loads")), fp8
+    assert all(v > 0 for k, v in fp8.items() if k.endswith("fp16 mma")), fp8
