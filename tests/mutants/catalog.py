@@ -338,4 +338,20 @@ MUTANTS = (
         "clone prompts of voices not in the cache wait out the admission period and queue:"
         " 30 ms more mean first audio at 64 streams of many voices (H100)",
     ),
+    Mutant(
+        "float8-v-staged-as-bytes",
+        "kernels/paged_attention.py",
+        "        return tl.where(n_ok[:, None], v.to(DTYPE), 0.0).to(DTYPE)\n",
+        "        return v.to(DTYPE)\n",
+        ("tests/kernels/test_sm90_compile.py::test_a_float8_cache_is_read_without_byte_loads",),
+        "a float8 KV cache's attention reads its V operand a byte at a time from shared memory",
+    ),
+    Mutant(
+        "l2-prefetch-after-the-wait",
+        "kernels/skinny_gemm.py",
+        "    if L2 and PDL:\n",
+        "    pdl_enter(PDL)\n    if L2 and PDL:\n",
+        ("tests/kernels/test_sm90_compile.py::test_the_weight_prefetch_comes_before_the_pdl_wait",),
+        "the weight prefetch waits for the kernel before it, so it overlaps nothing",
+    ),
 )
