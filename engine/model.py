@@ -145,7 +145,7 @@ class SkinnyGemmOps(TritonOps):
     def __init__(self, max_rows: int, counters: torch.Tensor, **loads):
         self.max_rows = max_rows
         self.counters = counters  # int32 zeros, shared by every launch (each leaves them zero)
-        self.loads = loads  # skinny_gemm's tma and l2_budget
+        self.loads = loads  # skinny_gemm's tma
 
     def linear(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > self.max_rows:
@@ -244,7 +244,7 @@ class HiggsModel(nn.Module):
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, plan: ExecutionPlan):
         """`plan`: fused_ops (Triton norm / RoPE / SiLU), few_row_gemm_rows and
-        few_row_gemm_tma (our GEMM for steps of up to that many tokens), l2_prefetch_mib, pdl."""
+        few_row_gemm_tma (our GEMM for steps of up to that many tokens), pdl."""
         super().__init__()
         self.config = cfg
         self.ops = TritonOps if plan.fused_ops else TorchOps
@@ -257,8 +257,7 @@ class HiggsModel(nn.Module):
             # int32 zeros on the weights' device, shared by every launch (each leaves them 0)
             device = self.embed_tokens.weight.device
             counters = torch.zeros(4096, dtype=torch.int32, device=device)
-            loads = dict(tma=plan.few_row_gemm_tma, l2_budget=plan.l2_prefetch_mib << 20)
-            self.ops = SkinnyGemmOps(plan.few_row_gemm_rows, counters, **loads)
+            self.ops = SkinnyGemmOps(plan.few_row_gemm_rows, counters, tma=plan.few_row_gemm_tma)
         self.audio_embed = nn.Embedding(cfg.num_codebooks * cfg.codebook_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

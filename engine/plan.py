@@ -73,9 +73,6 @@ class ExecutionPlan:
     # graphs sharing the backbone's cuBLAS workspace (fixed since), kept as a fallback. Off,
     # a 272-token step multiplies 272 rows, not 512: 4-5% more audio-s/s served (H100)
     fp8_pow2_rows: bool = False
-    # under PDL, each few-row GEMM asks up to this many MiB of its weight into L2 before it
-    # waits for the kernel before it (kernels/skinny_gemm.py, l2_budget); 0: none
-    l2_prefetch_mib: int = 0
     cuda_graphs: bool = False  # FULL backbone graphs over `graph_buckets` (Triton backend)
     graph_buckets: tuple[int, ...] = DEFAULT_BUCKETS
     sampler_graphs: bool = False  # one graph per sampler row bucket
@@ -162,10 +159,6 @@ def check_overrides(overrides: Mapping[str, object], device: str) -> None:
             "few_row_fp8_rows needs fused_ops on a CUDA device",
         ),
         (tma is True and (cpu or not fused), "few_row_gemm_tma needs fused_ops on a CUDA device"),
-        (
-            bool(o.get("l2_prefetch_mib")) and (cpu or o.get("pdl") is False),
-            "l2_prefetch_mib needs PDL (pdl) on a CUDA device",
-        ),
         (
             o.get("fp8_pow2_rows") is True and cpu,
             "fp8_pow2_rows is a setting of the CUDA fp8 matmul (torch._scaled_mm)",
@@ -260,16 +253,13 @@ def resolve(config, model_config, device) -> ExecutionPlan:
             "codec graphs): some batch sizes run 6-10x slower than in float32",
             codec_dtype,
         )
-    pdl = resolve_pdl(o.get("pdl"), fused, device)
-    if o.get("l2_prefetch_mib") and not pdl:
-        raise ConfigError("l2_prefetch_mib needs PDL (fused kernels, compute capability 9.0+)")
     return ExecutionPlan(
         attention_backend=backend,
         fused_ops=fused,
         fused_decode=o.get("fused_decode", fused and triton),
         page_prefetch=o.get("page_prefetch", triton),
         flat_attention_grid=o.get("flat_attention_grid", triton),
-        pdl=pdl,
+        pdl=resolve_pdl(o.get("pdl"), fused, device),
         few_row_gemm_rows=rows,
         few_row_fp8_rows=o.get(
             "few_row_fp8_rows",
@@ -279,7 +269,6 @@ def resolve(config, model_config, device) -> ExecutionPlan:
         if rows or o.get("few_row_fp8_rows", fused and config.quantization == "fp8")
         else False,
         fp8_pow2_rows=o.get("fp8_pow2_rows", False),
-        l2_prefetch_mib=o.get("l2_prefetch_mib", 0),
         cuda_graphs=graphs and triton,
         graph_buckets=tuple(o.get("graph_buckets", DEFAULT_BUCKETS)),
         sampler_graphs=graphs,

@@ -113,22 +113,13 @@ class Fp8Ops:
     else is the base's."""
 
     def __init__(
-        self,
-        base,
-        fused: bool,
-        dtype: torch.dtype,
-        device,
-        max_rows=0,
-        tma=False,
-        pow2_rows=False,
-        l2_budget=0,
+        self, base, fused: bool, dtype: torch.dtype, device, max_rows=0, tma=False, pow2_rows=False
     ):
         self.base = base
         self.pow2_rows = pow2_rows
         self.fused = fused  # Triton quantization kernels (CUDA with the fused ops)
         self.dtype = dtype  # of activations and every projection's output
         self.max_rows, self.tma = max_rows, tma
-        self.l2_budget = l2_budget  # skinny_gemm's: weight bytes asked into L2 ahead (PDL)
         self.counters = None  # the few-row GEMM's int32 zeros (each launch leaves them 0)
         if max_rows:
             self.counters = torch.zeros(4096, dtype=torch.int32, device=device)
@@ -152,8 +143,7 @@ class Fp8Ops:
 
         tiles = skinny_tiles(rows.data.shape[0], *layer.weight.shape, self.tma, element_size=1)
         scales = dict(weight_scale=layer.weight_scale, x_scale=rows.scale, out_dtype=self.dtype)
-        loads = dict(tma=self.tma, l2_budget=self.l2_budget)
-        return skinny_gemm(rows.data, layer.weight, self.counters, **loads, **scales, **tiles)
+        return skinny_gemm(rows.data, layer.weight, self.counters, tma=self.tma, **scales, **tiles)
 
     def projection_norm(self, x, residual, weight, eps):
         """add + RMSNorm of a projection's input, quantized by the norm kernel itself."""
@@ -212,5 +202,4 @@ def quantize_model(model: nn.Module, plan) -> None:
     fused = device.type == "cuda" and model.fused_ops
     rows, tma = plan.few_row_fp8_rows, plan.few_row_gemm_tma
     pow2 = plan.fp8_pow2_rows
-    loads = dict(max_rows=rows, tma=tma, pow2_rows=pow2, l2_budget=plan.l2_prefetch_mib << 20)
-    model.ops = Fp8Ops(model.ops, fused, dtype, device, **loads)
+    model.ops = Fp8Ops(model.ops, fused, dtype, device, max_rows=rows, tma=tma, pow2_rows=pow2)

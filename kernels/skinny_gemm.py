@@ -53,26 +53,11 @@ def _x_tile(x_cols, k, m_ok, hi, K, GATED: tl.constexpr, MASK_K: tl.constexpr):
 
 
 @triton.jit
-def _l2_prefetch(at, nbytes):
-    """Asks the copy engine to bring `nbytes` (a multiple of 16) from each address `at`
-    (16-byte aligned) into L2; nothing waits for it."""
-    tl.inline_asm_elementwise(
-        "cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;",
-        "=r,l,r",
-        [at, nbytes],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
-
-
-@triton.jit
 def _skinny_gemm_kernel(
-    x_ptr, up_ptr, w_ptr, ws_ptr, xs_ptr, out_ptr, part_ptr, count_ptr, wl2_ptr, M, N, K,
-    stride_xm, stride_wn, stride_om, l2_bytes, BM: tl.constexpr, BN: tl.constexpr,
-    BK: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
-    GATED: tl.constexpr, TMA: tl.constexpr, FP8: tl.constexpr, L2: tl.constexpr,
-    PDL: tl.constexpr,
+    x_ptr, up_ptr, w_ptr, ws_ptr, xs_ptr, out_ptr, part_ptr, count_ptr, M, N, K, stride_xm,
+    stride_wn, stride_om, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    SPLIT: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, GATED: tl.constexpr,
+    TMA: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     # Grid (N / BN, SPLIT). The tile is transposed (acc[n, m] = W[n, :] . x[m, :]) so that the
     # weight's rows are the tensor-core tile's tall side and the few x rows its narrow one.
@@ -92,14 +77,6 @@ def _skinny_gemm_kernel(
     if not TMA:
         w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
         x_cols = x_ptr + m[None, :] * stride_xm
-    if L2 and PDL:
-        # The weight is a constant, so it may be read before the wait: while the kernel
-        # before this one finishes, the first l2_bytes of each row of this program's slab
-        # come into L2 (wl2_ptr: the weight's own pointer, also under TMA).
-        row = wl2_ptr + tl.where(n_ok, n, 0).to(tl.int64) * stride_wn + lo
-        size = tl.minimum(l2_bytes, (hi - lo) * (wl2_ptr.dtype.element_ty.primitive_bitwidth // 8))
-        if size > 0:  # a split past K's end has no columns
-            _l2_prefetch(row, tl.full([BN], 0, tl.int32) + size)
     pdl_enter(PDL)
     acc = tl.zeros([BN, BM], tl.float32)
     if TMA:
@@ -232,7 +209,6 @@ def skinny_gemm(
     weight_scale: torch.Tensor | None = None,
     x_scale: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
-    l2_budget: int = 0,
 ) -> torch.Tensor:
     """`x [M, K] @ weight [N, K]^T -> [M, N]` in x's dtype (fp32 accumulation), for M up to
     MAX_ROWS. `counters`: int32, at least `ceil(N / block_n)`, all zero; every launch leaves them
@@ -245,10 +221,7 @@ def skinny_gemm(
     `weight_scale`, `x_scale`: fp32, one per output row of `weight` and one per row of `x`,
     for float8 operands (W ~ weight * weight_scale, rows ~ x * x_scale): half the weight
     bytes streamed; the output in `out_dtype` (bf16 on a GPU; fp32 widens the operands and
-    multiplies in fp32, for the CPU interpreter, whose bf16 and fp8 products are wrong).
-    `l2_budget`: under PDL (kernels/launch.py), bytes of the weight (up to all of it) that the
-    programs ask into L2 before they wait for the kernel before them, the same share of each
-    row's slab in every program (`l2_prefetch_bytes`); 0 or without PDL, none."""
+    multiplies in fp32, for the CPU interpreter, whose bf16 and fp8 products are wrong)."""
     m, k = x.shape[0], weight.shape[1]
     n = weight.shape[0]
     if x.shape[1] != (2 * k if gated else k) or weight.stride(1) != 1 or x.stride(1) != 1:
@@ -278,7 +251,6 @@ def skinny_gemm(
         x_arg = TensorDescriptor.from_tensor(x[:, :k], [block_m, block_k])
         up_arg = TensorDescriptor.from_tensor(x[:, k:], [block_m, block_k]) if gated else x_arg
         w_arg = TensorDescriptor.from_tensor(weight, [block_n, block_k])
-    l2_bytes = l2_prefetch_bytes(weight, split, l2_budget)
     _skinny_gemm_kernel[(tiles, split)](
         x_arg,
         up_arg,
@@ -288,14 +260,12 @@ def skinny_gemm(
         out,
         parts,
         counters,
-        weight,
         m,
         n,
         k,
         x.stride(0),
         weight.stride(0),
         out.stride(0),
-        l2_bytes,
         BM=block_m,
         BN=block_n,
         BK=block_k,
@@ -305,20 +275,8 @@ def skinny_gemm(
         GATED=gated,
         TMA=tma,
         FP8=fp8,
-        L2=l2_bytes > 0,
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl_launch(),
     )
     return out
-
-
-def l2_prefetch_bytes(weight: torch.Tensor, split: int, budget: int) -> int:
-    """Bytes of its slab of each weight row a program prefetches into L2 for `budget` bytes
-    in all (`skinny_gemm`'s l2_budget): a multiple of 16, as the bulk prefetch needs, and
-    0 where the rows are not 16-byte aligned."""
-    stride_bytes = weight.stride(0) * weight.element_size()
-    if budget <= 0 or stride_bytes % 16 or weight.data_ptr() % 16:
-        return 0
-    per_row = min(budget // weight.shape[0], weight.shape[1] * weight.element_size())
-    return per_row // split // 16 * 16

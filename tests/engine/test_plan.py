@@ -203,25 +203,3 @@ def test_the_flat_attention_grid_is_a_triton_setting(tiny_ckpt):
         EngineConfig(plan_overrides={"attention_backend": "torch", "flat_attention_grid": True})
     with pytest.raises(ConfigError, match="flat_attention_grid must be a bool, got 1"):
         EngineConfig(plan_overrides={"flat_attention_grid": 1})
-
-
-def test_the_l2_weight_prefetch_needs_pdl(tiny_ckpt, monkeypatch):
-    """The few-row GEMM's weight read ahead into L2 happens before the PDL wait: off unless
-    asked, reaches the plan where PDL resolves on, and is refused on the CPU, with PDL
-    turned off, or where PDL does not resolve (a GPU before Hopper)."""
-    import engine.plan as plan_module
-
-    _, model_config = read_config(tiny_ckpt)
-    assert resolve(EngineConfig(), model_config, CPU).l2_prefetch_mib == 0
-    with pytest.raises(ConfigError, match="l2_prefetch_mib needs PDL"):
-        EngineConfig(plan_overrides={"l2_prefetch_mib": 16})
-    with pytest.raises(ConfigError, match="l2_prefetch_mib needs PDL"):
-        EngineConfig(device="cuda", plan_overrides={"l2_prefetch_mib": 16, "pdl": False})
-    cuda = torch.device("cuda")
-    config = EngineConfig(device="cuda", plan_overrides={"l2_prefetch_mib": 16})
-    monkeypatch.setattr(plan_module, "resolve_tma", lambda *args: False)
-    monkeypatch.setattr(plan_module, "resolve_pdl", lambda setting, fused, device: True)
-    assert resolve(config, model_config, cuda).l2_prefetch_mib == 16
-    monkeypatch.setattr(plan_module, "resolve_pdl", lambda setting, fused, device: False)
-    with pytest.raises(ConfigError, match="l2_prefetch_mib needs PDL"):
-        resolve(config, model_config, cuda)

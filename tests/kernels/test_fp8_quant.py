@@ -149,11 +149,6 @@ def test_skinny_fp8_higgs_shapes_in_bf16(m, n, k, tma):
     ref = F.linear(x8.float() * x_scale, w8.float() * w_scale.t())
     err = float((out.float() - ref).norm() / ref.norm())
     assert out.dtype == torch.bfloat16 and err < 1e-2, err  # bf16 output rounding only
-    from kernels.launch import use_pdl
-
-    with use_pdl(True):  # the weight asked into L2 before the PDL wait: the same bits
-        ahead = skinny_gemm(x8, w8, counters, tma=tma, l2_budget=16 << 20, **scales, **tiles)
-    assert torch.equal(ahead, out)
 
 
 @pytest.mark.cuda

@@ -81,20 +81,6 @@ def test_gated_folds_silu_mul_into_the_loads(dtype, loads):
         skinny_gemm(gate_up[:, :96], w, counters, gated=True)  # no up half
 
 
-def test_the_l2_prefetch_share_of_each_program():
-    """`l2_budget` bytes over the weight's rows and each row's K splits, in 16-byte steps (the
-    bulk prefetch's unit), at most the whole row; nothing for misaligned rows or no budget."""
-    from kernels.skinny_gemm import l2_prefetch_bytes
-
-    w = torch.empty(2560, 4096, dtype=torch.bfloat16)  # o: 8,192 bytes a row
-    assert l2_prefetch_bytes(w, 1, 16 << 20) == 6544  # 16 MiB / 2,560 rows = 6,553.6
-    assert l2_prefetch_bytes(w, 3, 16 << 20) == 2176  # 6,553 / 3 = 2,184.3, to 16 bytes
-    assert l2_prefetch_bytes(w, 1, 64 << 20) == 8192  # the whole row
-    assert l2_prefetch_bytes(w, 1, 0) == 0
-    assert l2_prefetch_bytes(torch.empty(64, 4100, dtype=torch.bfloat16), 1, 1 << 20) == 0
-    assert l2_prefetch_bytes(torch.empty(64, 4097, dtype=torch.uint8)[:, 1:], 1, 1 << 20) == 0
-
-
 def test_refuses_what_it_cannot_do():
     x, w = _operands(2, 32, 64, torch.float32)
     counters = torch.zeros(1, dtype=torch.int32, device=DEVICE)
@@ -194,9 +180,8 @@ def test_higgs_shapes_on_the_gpu(m, loads, n, k):
         assert torch.equal(skinny_gemm(x, w, counters, **tiles), out)
     from kernels.launch import use_pdl
 
-    with use_pdl(True):  # launched as the engine launches it, with and without L2 ahead
+    with use_pdl(True):  # launched as the engine launches it
         assert torch.equal(skinny_gemm(x, w, counters, **tiles), out)
-        assert torch.equal(skinny_gemm(x, w, counters, l2_budget=16 << 20, **tiles), out)
     assert int(counters.abs().sum()) == 0
     if n == 2560 and k == 9728:  # down: the MLP's activation folded in
         from kernels.norm_rope import silu_mul

@@ -50,11 +50,8 @@ GEMM_TYPES = {
     "count_ptr": "*i32",
     "ws_ptr": "*fp32",  # the fp8 scales (unused with FP8 off)
     "xs_ptr": "*fp32",
-    "wl2_ptr": "*bf16",  # the weight's own pointer, for the L2 prefetch
 }
-GEMM = dict(
-    BM=16, BN=64, BK=128, SPLIT=3, EVEN_K=True, IEEE=False, GATED=False, TMA=False, L2=False
-)  # fmt: skip
+GEMM = dict(BM=16, BN=64, BK=128, SPLIT=3, EVEN_K=True, IEEE=False, GATED=False, TMA=False)
 
 
 ATTENTION_TYPES = {
@@ -100,7 +97,7 @@ def _gemm_case(rows: int, n: int, k: int, gated: bool, loads: str):
     bm, bn, bk = tiles["block_m"], tiles["block_n"], tiles["block_k"]
     constexprs = dict(
         BM=bm, BN=bn, BK=bk, SPLIT=tiles["split"], EVEN_K=k % bk == 0, IEEE=False, GATED=gated,
-        TMA=False, PDL=True, FP8=False, L2=False,
+        TMA=False, PDL=True, FP8=False,
     )  # fmt: skip
     constexprs.update(LOADS[loads])
     types = GEMM_TYPES
@@ -133,15 +130,6 @@ def _compile_cases() -> dict[str, int]:
             constexprs = {**SPLIT_DECODE, "PREFETCH": prefetch}
             kernel = compile_sm90(_decode_split_kernel, SPLIT_TYPES, constexprs, 4, stages)
             out[f"split prefetch={prefetch} stages={stages}"] = kernel.metadata.shared
-    for loads in LOADS:  # the o projection at one row, its weight asked into L2 ahead
-        constexprs, types, warps, stages = _gemm_case(1, 2560, 4096, False, loads)
-        ptx = compile_sm90(
-            _skinny_gemm_kernel, types, constexprs | {"L2": True}, warps, stages
-        ).asm["ptx"]
-        ahead, wait = ptx.find("cp.async.bulk.prefetch.L2.global"), ptx.find("griddepcontrol.wait")
-        out[f"l2 {loads} prefetches before the wait"] = int(0 <= ahead < wait)
-        ptx = compile_sm90(_skinny_gemm_kernel, types, constexprs, warps, stages).asm["ptx"]
-        out[f"l2 {loads} off prefetches"] = ptx.count("cp.async.bulk.prefetch")
     fp8 = {n: "*fp8e4nv" for n in ("k_ptr", "v_ptr")}
     for prefetch in (False, True):  # a float8 cache, at the engine's decode tiles
         for name, kernel, types, constexprs in (
@@ -233,12 +221,3 @@ def test_a_float8_cache_is_read_without_byte_loads(compiled):
     assert len(fp8) == 2 * 2 * 2  # kernels x prefetch x (byte loads, fp16 mma)
     assert all(v == 0 for k, v in fp8.items() if k.endswith("byte loads")), fp8
     assert all(v > 0 for k, v in fp8.items() if k.endswith("fp16 mma")), fp8
-
-
-def test_the_weight_prefetch_comes_before_the_pdl_wait(compiled):
-    """With `l2_budget` the GEMM's programs ask their weight slabs into L2 (one bulk prefetch
-    a row) before `griddepcontrol.wait`, with pointer loads and with TMA; without it the
-    kernel has no prefetch at all."""
-    assert compiled["l2 pointer prefetches before the wait"] == 1
-    assert compiled["l2 tma prefetches before the wait"] == 1
-    assert compiled["l2 pointer off prefetches"] == compiled["l2 tma off prefetches"] == 0
