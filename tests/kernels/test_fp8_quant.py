@@ -25,6 +25,18 @@ def _same_fp8(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
+def _quantized_alike(q, scale, ref_q, ref_scale, exact: bool) -> None:
+    """The same bytes and scales; where `exact` is False (fp32 values the kernel computes
+    itself, SiLU or RMSNorm, in another order than torch or the unfused kernel on a GPU: an
+    H100 gave scales one ulp apart) scales within two ulps and values within a float8 step."""
+    if exact:
+        assert _same_fp8(q, ref_q) and torch.equal(scale, ref_scale)
+        return
+    assert q.dtype == ref_q.dtype == torch.float8_e4m3fn
+    torch.testing.assert_close(scale, ref_scale, rtol=2.5e-7, atol=0)
+    torch.testing.assert_close(q.float(), ref_q.float(), rtol=0.0625, atol=2.0**-9)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows, k", SHAPES)
 @pytest.mark.parametrize("gated", [False, True])
@@ -33,8 +45,9 @@ def test_quantize_rows_matches_the_reference_bytes(dtype, rows, k, gated):
     x[0, 0] = 0.0  # and a few values on the e4m3 subnormal range
     q, scale = quantize_rows(x, gated)
     ref_q, ref_scale = quantize_rows_reference(x, gated)
-    assert torch.equal(scale, ref_scale) and scale.shape == (rows, 1)
-    assert _same_fp8(q, ref_q)
+    assert scale.shape == (rows, 1)
+    own_fp32 = gated and dtype == torch.float32 and DEVICE == "cuda"  # the kernel's own SiLU
+    _quantized_alike(q, scale, ref_q, ref_scale, exact=not own_fp32)
     assert q.float().abs().amax(-1).eq(FP8_MAX).all()  # each row's maximum maps to 448
 
 
@@ -75,7 +88,8 @@ def test_add_rms_norm_fp8_quantizes_the_norms_output(dtype, rows, hidden):
         normed, ref_total = add_rms_norm(x, residual, w, 1e-6)
         ref_q, ref_scale = quantize_rows_reference(normed)
         assert torch.equal(total, ref_total)
-        assert _same_fp8(q, ref_q) and torch.equal(scale, ref_scale)
+        exact = dtype == torch.bfloat16 or DEVICE == "cpu"  # fp32 norms: ulps apart on a GPU
+        _quantized_alike(q, scale, ref_q, ref_scale, exact)
 
 
 def _fp8_weight(n, k, seed):

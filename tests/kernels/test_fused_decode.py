@@ -103,7 +103,9 @@ def test_fused_decode_equals_norm_rope_store_then_attention(
     assert out[real:].isnan().all()  # tokens of no sequence get no output row
     ref = paged_attention_reference(q, expected_cache[0], expected_cache[1], *meta, scale)
     err = float((out[:real].float() - ref[:real].float()).norm() / ref[:real].float().norm())
-    assert err <= (1e-5 if dtype == torch.float32 else 1e-2)
+    # fp32 on a GPU: tl.dot multiplies in TF32 (10-bit mantissas; an H100 gave up to 1.0e-3)
+    tol = {torch.bfloat16: 1e-2, torch.float32: 2e-3 if DEVICE == "cuda" else 1e-5}[dtype]
+    assert err <= tol
 
 
 @pytest.mark.cuda

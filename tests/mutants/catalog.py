@@ -346,12 +346,4 @@ MUTANTS = (
         ("tests/kernels/test_sm90_compile.py::test_a_float8_cache_is_read_without_byte_loads",),
         "a float8 KV cache's attention reads its V operand a byte at a time from shared memory",
     ),
-    Mutant(
-        "l2-prefetch-after-the-wait",
-        "kernels/skinny_gemm.py",
-        "    if L2 and PDL:\n",
-        "    pdl_enter(PDL)\n    if L2 and PDL:\n",
-        ("tests/kernels/test_sm90_compile.py::test_the_weight_prefetch_comes_before_the_pdl_wait",),
-        "the weight prefetch waits for the kernel before it, so it overlaps nothing",
-    ),
 )
