@@ -56,7 +56,7 @@ def _load_v(v_ptr, offs, d, n_ok, DTYPE: tl.constexpr):
     in the sm_90 code tests/kernels/test_sm90_compile.py reads)."""
     v = tl.load(v_ptr + offs[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
     if v_ptr.dtype.element_ty == tl.float8e4nv:
-        return tl.where(n_ok[:, None], v.to(DTYPE), 0.0).to(DTYPE)
+        return tl.where(n_ok[:, None], v.to(DTYPE), 0.0)
     return v.to(DTYPE)
 
 

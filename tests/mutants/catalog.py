@@ -342,7 +342,7 @@ MUTANTS = (
     Mutant(
         "float8-v-staged-as-bytes",
         "kernels/paged_attention.py",
-        "        return tl.where(n_ok[:, None], v.to(DTYPE), 0.0).to(DTYPE)\n",
+        "        return tl.where(n_ok[:, None], v.to(DTYPE), 0.0)\n",
         "        return v.to(DTYPE)\n",
         ("tests/kernels/test_sm90_compile.py::test_a_float8_cache_is_read_without_byte_loads",),
         "a float8 KV cache's attention reads its V operand a byte at a time from shared memory",
