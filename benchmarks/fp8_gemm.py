@@ -1,10 +1,12 @@
 """The Higgs v3 projections with FP8 weights at decode batch sizes, in CUDA graphs: cuBLAS in
 bf16 (what the engine runs without quantization), torch._scaled_mm with row-wise scales
 (fast accumulation off and on), our few-row GEMM over float8 operands (kernels/skinny_gemm.py,
-the engine's tiles with and without TMA, and the best of a small sweep), and the per-row
-activation quantization launch alone. Achieved weight bandwidth beside each.
+the engine's tiles with and without TMA, and the best of a small sweep; past 128 rows in
+blocks of 128), and the per-row activation quantization launch alone. Achieved weight
+bandwidth beside each.
 
     python benchmarks/fp8_gemm.py [--batches 1,16,32,64,80,96,128] [--sweep]
+    python benchmarks/fp8_gemm.py --batches 144,256,272,320,400   # the mixed steps' rows
 """
 
 from __future__ import annotations

@@ -10,7 +10,12 @@ an atomic) adds the partials in split order, so the result does not depend on wh
 finished last. Measured on the H200 it beats cuBLAS at one row and not at 64 rows
 (docs/perf-log/), so the engine uses it for steps of up to 16 tokens, with TMA tiles on
 Hopper; over float8 operands it beats torch._scaled_mm at 64 to 128 rows, so fp8 weights take
-it up to 128 rows by default (the plan's few_row_fp8_rows).
+it up to 128 rows by default (the plan's few_row_fp8_rows). More rows (up to 512, a step's
+default token budget) go in blocks of 128, each block its own programs over the same weight
+tile (adjacent, so the tile is read from DRAM about once): a lever for the mixed steps of
+128 to 256 streams, since at 128 rows torch._scaled_mm took 14 and 27 us for o and down
+against our 10 and 15 (H200, docs/perf-log/2026-12-06-session-27.md). Not yet timed above
+128 rows, so not a default there.
 Tensors in, tensor out; the reference is `F.linear`.
 """
 
@@ -23,8 +28,10 @@ import triton.language as tl
 from kernels.launch import hopper_or_later, pdl_enter, pdl_launch
 
 # x tiles of up to 128 rows (the fp32 accumulator [BN, 128]: skinny_tiles gives 8 warps from
-# BN = 128, so at most 128 registers a thread)
-MAX_ROWS = 128
+# BN = 128, so at most 128 registers a thread); more rows go in blocks of TILE_ROWS, up to
+# MAX_ROWS (a step's default token budget: engine/config.py)
+TILE_ROWS = 128
+MAX_ROWS = 512
 
 
 @triton.jit
@@ -55,21 +62,25 @@ def _x_tile(x_cols, k, m_ok, hi, K, GATED: tl.constexpr, MASK_K: tl.constexpr):
 @triton.jit
 def _skinny_gemm_kernel(
     x_ptr, up_ptr, w_ptr, ws_ptr, xs_ptr, out_ptr, part_ptr, count_ptr, M, N, K, stride_xm,
-    stride_wn, stride_om, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    stride_wn, stride_om, stride_ps, M_BLOCKS, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     SPLIT: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, GATED: tl.constexpr,
     TMA: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    # Grid (N / BN, SPLIT). The tile is transposed (acc[n, m] = W[n, :] . x[m, :]) so that the
-    # weight's rows are the tensor-core tile's tall side and the few x rows its narrow one.
+    # Grid (N / BN x M_BLOCKS, SPLIT): x's rows in blocks of BM, the blocks of one weight tile
+    # in adjacent programs (they run together, so the tile comes from DRAM about once and
+    # from L2 for the others; M_BLOCKS = 1, a launch argument Triton specializes, folds away).
+    # The tile is transposed (acc[n, m] = W[n, :] . x[m, :]) so that the weight's rows are
+    # the tensor-core tile's tall side and the few x rows its narrow one.
     # With TMA, x_ptr / up_ptr / w_ptr are tensor descriptors (x and up `[M, K]`, blocks
     # `[BM, BK]`; w `[N, K]`, blocks `[BN, BK]`): the copy engine fetches whole tiles, rows
     # and columns past the ends read as zeros. FP8: w and x are float8 with fp32 scales per
     # weight row (ws_ptr) and per x row (xs_ptr): the tensor cores' fp8 dot with fp32 sums
     # (widened to fp32 products where the output is fp32: the CPU interpreter), both scales
     # applied to the sums, the arithmetic of torch._scaled_mm with row-wise scales.
-    tile, split = tl.program_id(0), tl.program_id(1)
+    pid, split = tl.program_id(0), tl.program_id(1)
+    tile, block = pid // M_BLOCKS, pid % M_BLOCKS
     n = tile * BN + tl.arange(0, BN)
-    m = tl.arange(0, BM)
+    m = block * BM + tl.arange(0, BM)
     n_ok, m_ok = n < N, m < M
     per = tl.cdiv(tl.cdiv(K, BK), SPLIT) * BK  # K columns per split, whole BK chunks
     lo = split * per
@@ -82,9 +93,9 @@ def _skinny_gemm_kernel(
     if TMA:
         for k0 in range(lo, hi, BK):
             w = w_ptr.load([tile * BN, k0])
-            x = x_ptr.load([0, k0])
+            x = x_ptr.load([block * BM, k0])
             if GATED:  # x holds [gate | up]
-                x = _silu_mul(x, up_ptr.load([0, k0]))
+                x = _silu_mul(x, up_ptr.load([block * BM, k0]))
             if FP8 and IEEE:
                 w, x = w.to(tl.float32), x.to(tl.float32)
             acc = _dot(w, tl.trans(x), acc, IEEE)
@@ -107,17 +118,20 @@ def _skinny_gemm_kernel(
     if SPLIT == 1:
         tl.store(out_at, acc.to(out_ptr.dtype.element_ty), mask=out_ok)
     else:
-        # partials [SPLIT, BM, N] (fp32); the last program of this tile adds them in order
+        # partials [SPLIT, M_BLOCKS x BM, N] (fp32); the last program of this output tile (the
+        # weight tile's row block) adds them in order
         part_at = part_ptr + m[None, :] * N + n[:, None]
-        tl.store(part_at + split * BM * N, acc, mask=out_ok)
+        tl.store(part_at + split * stride_ps, acc, mask=out_ok)
         tl.debug_barrier()  # every thread's partial stored before the count (release)
-        counter = count_ptr + tile
+        counter = count_ptr + pid
         if tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT - 1:
             tl.debug_barrier()
             tl.store(counter, 0)  # zero again for the next launch
             total = tl.zeros([BN, BM], tl.float32)
             for s in tl.static_range(SPLIT):
-                total += tl.load(part_at + s * BM * N, mask=out_ok, other=0.0, cache_modifier=".cg")
+                total += tl.load(
+                    part_at + s * stride_ps, mask=out_ok, other=0.0, cache_modifier=".cg"
+                )
             tl.store(out_at, total.to(out_ptr.dtype.element_ty), mask=out_ok)
 
 
@@ -141,7 +155,7 @@ def skinny_tiles(m: int, n: int, k: int, tma: bool = False, element_size: int = 
     reckons two bytes an element, fp8 operands too (the measured fp8 defaults are those
     tiles); above, `element_size` bytes (only fp8 weights take this kernel there), and eight
     warps where the fp32 accumulator holds 16,384 elements (128 a thread, not 256)."""
-    bm = max(16, triton.next_power_of_2(m))
+    bm = min(TILE_ROWS, max(16, triton.next_power_of_2(m)))
     swept = _fp8_sweep_tiles(bm, n, k, tma) if element_size == 1 else None
     if swept is not None:
         return swept
@@ -211,17 +225,18 @@ def skinny_gemm(
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """`x [M, K] @ weight [N, K]^T -> [M, N]` in x's dtype (fp32 accumulation), for M up to
-    MAX_ROWS. `counters`: int32, at least `ceil(N / block_n)`, all zero; every launch leaves them
-    zero (allocate once, share between launches on one stream and graph replays). `gated`:
-    x is `[M, 2K]` = [gate | up] and the product is `silu_mul(x) @ weight^T` (the MLP's
-    activation folded into the down projection). Tile knobs as `skinny_tiles`, which gives
-    the defaults the engine uses; `tma`: tiles fetched by the copy engine (Hopper tensor
-    memory access, through tensor descriptors; needs 16-byte aligned rows) instead of
-    per-thread loads (faster on the H200 at 1 to 16 rows, slower at 64: docs/perf-log/).
-    `weight_scale`, `x_scale`: fp32, one per output row of `weight` and one per row of `x`,
-    for float8 operands (W ~ weight * weight_scale, rows ~ x * x_scale): half the weight
-    bytes streamed; the output in `out_dtype` (bf16 on a GPU; fp32 widens the operands and
-    multiplies in fp32, for the CPU interpreter, whose bf16 and fp8 products are wrong)."""
+    MAX_ROWS, in blocks of `block_m` rows (at most TILE_ROWS) that each read the weight tile.
+    `counters`: int32, at least `ceil(N / block_n) * ceil(M / block_m)`, all zero; every launch
+    leaves them zero (allocate once, share between launches on one stream and graph replays).
+    `gated`: x is `[M, 2K]` = [gate | up] and the product is `silu_mul(x) @ weight^T` (the MLP's
+    activation folded into the down projection). Tile knobs as `skinny_tiles`, which gives the
+    defaults the engine uses; `tma`: tiles fetched by the copy engine (Hopper tensor memory
+    access, through tensor descriptors; needs 16-byte aligned rows) instead of per-thread loads
+    (faster on the H200 at 1 to 16 rows, slower at 64: docs/perf-log/). `weight_scale`,
+    `x_scale`: fp32, one per output row of `weight` and one per row of `x`, for float8 operands
+    (W ~ weight * weight_scale, rows ~ x * x_scale): half the weight bytes streamed; the output
+    in `out_dtype` (bf16 on a GPU; fp32 widens the operands and multiplies in fp32, for the CPU
+    interpreter, whose bf16 and fp8 products are wrong)."""
     m, k = x.shape[0], weight.shape[1]
     n = weight.shape[0]
     if x.shape[1] != (2 * k if gated else k) or weight.stride(1) != 1 or x.stride(1) != 1:
@@ -233,15 +248,18 @@ def skinny_gemm(
         fp8 and (weight_scale is None or x_scale is None or gated)
     ):
         raise ValueError("float8 operands: both, with weight_scale and x_scale, not gated")
-    block_m = block_m or max(16, triton.next_power_of_2(m))
-    tiles = triton.cdiv(n, block_n)
+    block_m = block_m or min(TILE_ROWS, max(16, triton.next_power_of_2(m)))
+    if block_m > TILE_ROWS:
+        raise ValueError(f"block_m is at most {TILE_ROWS}, got {block_m}")
+    m_blocks = triton.cdiv(m, block_m)
+    tiles = triton.cdiv(n, block_n) * m_blocks
     if split > 1 and (counters.dtype != torch.int32 or counters.numel() < tiles):
         raise ValueError(f"counters must be int32 with at least {tiles} elements")
     out_dtype = out_dtype or x.dtype
     out = torch.empty(m, n, dtype=out_dtype, device=x.device) if out is None else out
     parts = out  # unused without a split
     if split > 1:
-        parts = torch.empty(split, block_m, n, dtype=torch.float32, device=x.device)
+        parts = torch.empty(split, m_blocks * block_m, n, dtype=torch.float32, device=x.device)
     x_arg, up_arg, w_arg = x, x, weight
     if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
@@ -266,6 +284,8 @@ def skinny_gemm(
         x.stride(0),
         weight.stride(0),
         out.stride(0),
+        parts.stride(0) if split > 1 else 0,
+        m_blocks,
         BM=block_m,
         BN=block_n,
         BK=block_k,

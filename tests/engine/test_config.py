@@ -434,11 +434,11 @@ def test_few_row_gemm_rows_is_validated():
     assert "few_row_gemm_tma" not in _cuda(few_row_gemm_rows=0).plan_overrides
 
 
-def test_few_row_fp8_rows_reaches_128():
-    """Our fp8 GEMM takes up to 128 rows (the 80-128 token steps of 64-128 streams)."""
-    assert _cuda(few_row_fp8_rows=128).plan_overrides["few_row_fp8_rows"] == 128
-    with pytest.raises(ConfigError, match="0..128"):
-        _cuda(few_row_fp8_rows=129)
+def test_few_row_fp8_rows_reaches_512():
+    """Our fp8 GEMM takes up to 512 rows (a step's default token budget), in blocks of 128."""
+    assert _cuda(few_row_fp8_rows=512).plan_overrides["few_row_fp8_rows"] == 512
+    with pytest.raises(ConfigError, match="0..512"):
+        _cuda(few_row_fp8_rows=513)
 
 
 def test_codec_autotune_is_validated():

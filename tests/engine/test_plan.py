@@ -138,23 +138,30 @@ def test_a_half_precision_codec_without_timing_is_warned_about(tiny_ckpt, monkey
 
 @pytest.mark.parametrize(
     "quantization, overrides, want",
-    [("fp8", {}, 128), ("fp8", {"few_row_fp8_rows": 64}, 64), ("none", {}, 0)],
+    [
+        ("fp8", {}, 128),
+        ("fp8", {"few_row_fp8_rows": 64}, 64),
+        ("fp8", {"few_row_fp8_rows": 512}, 512),
+        ("none", {}, 0),
+    ],
 )
 def test_fp8_steps_of_up_to_128_tokens_take_our_gemm_on_the_gpu(
     tiny_ckpt, monkeypatch, quantization, overrides, want
 ):
     """On the H200 our GEMM over float8 operands beats torch._scaled_mm at every Higgs
     projection up to 128 rows, the most its tiles take: fp8 weights on a GPU route steps of
-    up to 128 tokens through it; bf16 weights never do. Resolved for a GPU without one."""
+    up to 128 tokens through it (taller steps may be asked for: the kernel takes up to 512
+    rows in blocks of 128); bf16 weights never do. Resolved for a GPU without one."""
     import engine.plan as plan_module
-    from kernels.skinny_gemm import MAX_ROWS
+    from kernels.skinny_gemm import MAX_ROWS, TILE_ROWS
 
     monkeypatch.setattr(plan_module, "resolve_pdl", lambda setting, fused, device: False)
     monkeypatch.setattr(plan_module, "resolve_tma", lambda *args: False)
     _, model_config = read_config(tiny_ckpt)
     config = EngineConfig(device="cuda", quantization=quantization, plan_overrides=overrides)
     plan = resolve(config, model_config, torch.device("cuda"))
-    assert plan.few_row_fp8_rows == want and plan_module.DEFAULT_FEW_ROW_FP8_ROWS == MAX_ROWS
+    assert plan.few_row_fp8_rows == want and plan_module.DEFAULT_FEW_ROW_FP8_ROWS == TILE_ROWS
+    assert MAX_ROWS == 512
 
 
 @pytest.mark.parametrize(

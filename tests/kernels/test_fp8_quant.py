@@ -100,7 +100,8 @@ def _fp8_weight(n, k, seed):
 @pytest.mark.parametrize("loads", [{}, {"tma": True}])
 @pytest.mark.parametrize(
     "m, n, k, split",
-    [(1, 48, 64, 1), (5, 64, 80, 3), (16, 32, 128, 2), (80, 32, 64, 2), (128, 16, 96, 1)],
+    [(1, 48, 64, 1), (5, 64, 80, 3), (16, 32, 128, 2), (80, 32, 64, 2), (128, 16, 96, 1)]
+    + [(200, 32, 64, 2)],  # two blocks of 128 rows
 )
 def test_skinny_gemm_over_float8_operands(loads, m, n, k, split):
     """Float8 weight and rows widened in the GEMM and both scales applied to the sums:
@@ -108,7 +109,7 @@ def test_skinny_gemm_over_float8_operands(loads, m, n, k, split):
     w8, w_scale = _fp8_weight(n, k, seed=m)
     x8, x_scale = quantize_rows(torch.randn(m, k, device=DEVICE))
     counters = torch.zeros(8, dtype=torch.int32, device=DEVICE)
-    knobs = dict(block_n=16, block_k=32, split=split, num_stages=2, **loads)
+    knobs = dict(block_n=16, block_k=32, split=split, num_stages=2, **loads)  # block_m: 16-128
     scales = dict(weight_scale=w_scale, x_scale=x_scale, out_dtype=torch.float32)
     out = skinny_gemm(x8, w8, counters, **scales, **knobs)
     ref = F.linear(x8.float() * x_scale, w8.float() * w_scale.t())
@@ -148,7 +149,7 @@ def test_skinny_gemm_with_the_swept_fp8_tiles(m, n, k):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
-@pytest.mark.parametrize("m", [1, 16, 64, 80, 128])
+@pytest.mark.parametrize("m", [1, 16, 64, 80, 128, 144, 272, 512])  # 144 up: blocks of 128
 @pytest.mark.parametrize("n, k", [(6144, 2560), (2560, 4096), (19456, 2560), (2560, 9728)])
 @pytest.mark.parametrize("tma", [False, True])
 def test_skinny_fp8_higgs_shapes_in_bf16(m, n, k, tma):

@@ -50,6 +50,25 @@ def test_matches_linear(m, n, k, block_n, block_k, split, loads):
     assert torch.equal(out, again)
 
 
+@pytest.mark.parametrize("loads", ["pointer", "tma"])
+@pytest.mark.parametrize("split", [1, 3])
+def test_rows_past_a_tile_go_in_blocks(loads, split):
+    """More rows than the x tile holds: blocks of block_m rows, each its own programs over
+    the same weight tiles (the last block partial). A block's rows get the very values a
+    launch of those rows alone gives (nothing crosses between blocks), and the counters,
+    one per weight tile and block, are left zero."""
+    x, w = _operands(40, 48, 96, torch.float32, seed=5)
+    counters = torch.zeros(9, dtype=torch.int32, device=DEVICE)  # 3 tiles x 3 blocks
+    knobs = dict(block_m=16, block_n=16, block_k=32, split=split, num_stages=2, **LOADS[loads])
+    out = skinny_gemm(x, w, counters, **knobs)
+    torch.testing.assert_close(out, F.linear(x, w), rtol=1e-5, atol=1e-5)
+    assert int(counters.abs().sum()) == 0
+    assert torch.equal(out[16:32], skinny_gemm(x[16:32], w, counters, **knobs))
+    assert torch.equal(out[32:], skinny_gemm(x[32:], w, counters, **knobs))
+    with pytest.raises(ValueError, match="at least 9"):
+        skinny_gemm(x, w, counters[:8], **dict(knobs, split=2))
+
+
 def test_writes_into_a_given_output_with_a_row_stride():
     x, w = _operands(4, 32, 64, torch.float32, seed=1)
     counters = torch.zeros(4, dtype=torch.int32, device=DEVICE)
@@ -88,8 +107,10 @@ def test_refuses_what_it_cannot_do():
         skinny_gemm(x, w, counters, block_n=16, split=2)
     with pytest.raises(ValueError, match="int32"):
         skinny_gemm(x, w, counters.long(), block_n=32, split=2)
-    with pytest.raises(ValueError, match="at most 128 rows"):
-        skinny_gemm(torch.zeros(129, 64, device=DEVICE), w, counters)
+    with pytest.raises(ValueError, match="at most 512 rows"):
+        skinny_gemm(torch.zeros(513, 64, device=DEVICE), w, counters)
+    with pytest.raises(ValueError, match="block_m is at most 128"):
+        skinny_gemm(x, w, counters, block_m=256)
     with pytest.raises(ValueError, match="K contiguous"):
         skinny_gemm(x, w[:, :48], counters)
     odd = torch.zeros(2, 2 * 36, device=DEVICE)  # the up half at 144 bytes: aligned
@@ -150,6 +171,12 @@ def test_default_tiles_are_the_h200_sweeps_best():
                     assert fp8(m, n, k, tma) == (64, 256, 4, 4, 3)
                 else:  # qkv, gate-up: the element size changes nothing
                     assert skinny_tiles(m, n, k, tma, element_size=1) == skinny_tiles(m, n, k, tma)
+    # more rows than a tile holds: 128-row tiles, as at 128 rows (blocks of them)
+    for m in (129, 272, 512):
+        for _, n, k in HIGGS:
+            for tma in (False, True):
+                tall = skinny_tiles(m, n, k, tma, element_size=1)
+                assert tall == skinny_tiles(128, n, k, tma, element_size=1)
     # TMA tiles: the TMA sweep's best at one row for the wide outputs (the others as above)
     tma = {name: skinny_tiles(1, n, k, tma=True) for name, n, k in HIGGS}
     assert [tma["qkv"][x] for x in ("block_n", "block_k", "num_stages")] == [64, 256, 4]

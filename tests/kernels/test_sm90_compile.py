@@ -89,21 +89,26 @@ HIGGS_PROJECTIONS = {  # name: (N, K)
 LOADS = {"pointer": {}, "tma": {"TMA": True}}
 
 
-def _gemm_case(rows: int, n: int, k: int, gated: bool, loads: str):
-    """The few-row GEMM as `skinny_gemm` launches it for this shape (`skinny_tiles`)."""
+def _gemm_case(rows: int, n: int, k: int, gated: bool, loads: str, fp8: bool = False):
+    """The few-row GEMM as `skinny_gemm` launches it for this shape (`skinny_tiles`); `fp8`:
+    over float8 operands, as engine/quantization.py launches it."""
     from kernels.skinny_gemm import skinny_tiles
 
-    tiles = skinny_tiles(rows, n, k, tma=loads == "tma")
+    tiles = skinny_tiles(rows, n, k, tma=loads == "tma", element_size=1 if fp8 else 2)
     bm, bn, bk = tiles["block_m"], tiles["block_n"], tiles["block_k"]
     constexprs = dict(
         BM=bm, BN=bn, BK=bk, SPLIT=tiles["split"], EVEN_K=k % bk == 0, IEEE=False, GATED=gated,
-        TMA=False, PDL=True, FP8=False,
+        TMA=False, PDL=True, FP8=fp8,
     )  # fmt: skip
     constexprs.update(LOADS[loads])
+    operand = "fp8e4nv" if fp8 else "bf16"
     types = GEMM_TYPES
+    if fp8:
+        types = dict(types, x_ptr="*fp8e4nv", up_ptr="*fp8e4nv", w_ptr="*fp8e4nv")
     if constexprs["TMA"]:  # x, up and w come as tensor descriptors of their tiles
-        x_desc = f"tensordesc<bf16[{bm}, {bk}]>"
-        types = dict(types, x_ptr=x_desc, up_ptr=x_desc, w_ptr=f"tensordesc<bf16[{bn}, {bk}]>")
+        x_desc = f"tensordesc<{operand}[{bm}, {bk}]>"
+        w_desc = f"tensordesc<{operand}[{bn}, {bk}]>"
+        types = dict(types, x_ptr=x_desc, up_ptr=x_desc, w_ptr=w_desc)
     return constexprs, types, tiles["num_warps"], tiles["num_stages"]
 
 
@@ -122,6 +127,11 @@ def _compile_cases() -> dict[str, int]:
                     kernel = compile_sm90(_skinny_gemm_kernel, types, constexprs, warps, stages)
                     label = f"gemm {name} rows={rows} {loads}" + " gated" * gated
                     out[label] = kernel.metadata.shared
+        for rows in (16, 64, 128, 272):  # fp8 weights: 272 rows go in blocks of 128
+            for loads in LOADS:
+                constexprs, types, warps, stages = _gemm_case(rows, n, k, False, loads, fp8=True)
+                kernel = compile_sm90(_skinny_gemm_kernel, types, constexprs, warps, stages)
+                out[f"fp8 gemm {name} rows={rows} {loads}"] = kernel.metadata.shared
     for prefetch in (False, True):
         for stages in (2, 3, 4):
             constexprs = {**DECODE, "PREFETCH": prefetch}
@@ -176,6 +186,22 @@ def test_the_few_row_gemm_compiles_and_fits_the_h200(compiled):
     assert not too_big, too_big
     # one stage of the qkv tiles at one row: [64, 128] weight + [128, 16] x, bf16 = 20,480 B
     assert gemms["gemm qkv rows=1 pointer"] >= 2 * 20_480
+
+
+def test_the_fp8_gemm_compiles_and_fits_the_h200_up_to_its_row_blocks(compiled):
+    """fp8 weights take our GEMM for steps of up to few_row_fp8_rows tokens (engine/plan.py),
+    past 128 rows in blocks of 128: every Higgs projection at 16 to 272 rows, with each load
+    variant, compiles for the H200 and fits its shared memory."""
+    gemms = {k: v for k, v in compiled.items() if k.startswith("fp8 gemm")}
+    assert len(gemms) == 4 * 4 * len(LOADS)  # projections x rows x loads
+    too_big = {k: v for k, v in gemms.items() if v > H200_SHARED}
+    assert not too_big, too_big
+    for name in HIGGS_PROJECTIONS:  # blocks of 128 rows: the 128-row tiles
+        for loads in LOADS:
+            assert (
+                gemms[f"fp8 gemm {name} rows=272 {loads}"]
+                == gemms[f"fp8 gemm {name} rows=128 {loads}"]
+            )
 
 
 def test_page_prefetch_lets_the_attention_loop_pipeline(compiled):

@@ -296,6 +296,15 @@ MUTANTS = (
         "garbage speech that runs to the length cap",
     ),
     Mutant(
+        "row-blocks-read-the-first-rows",
+        "kernels/skinny_gemm.py",
+        "            x = x_ptr.load([block * BM, k0])",
+        "            x = x_ptr.load([0, k0])",
+        ("tests/kernels/test_skinny_gemm.py::test_rows_past_a_tile_go_in_blocks",),
+        "with TMA tiles, every row block past the first multiplies the first block's rows: the"
+        " streams of a large step speak another stream's continuation",
+    ),
+    Mutant(
         "fp8-tiles-unswept",
         "kernels/skinny_gemm.py",
         "    swept = _fp8_sweep_tiles(bm, n, k, tma) if element_size == 1 else None",
