@@ -37,6 +37,7 @@ DEFAULT_FEW_ROW_GEMM_ROWS = 16  # at 64 rows cuBLAS is faster on the H200
 # of 128, each block reading the weight tile again (from L2 when the blocks run together):
 # not yet timed against torch._scaled_mm there, so the default stays at one tile
 DEFAULT_FEW_ROW_FP8_ROWS = 128
+MAX_FEW_ROW_FP8_ROWS = 512  # kernels/skinny_gemm.MAX_ROWS (this module imports no torch)
 DEFAULT_CODEC_GRAPH_BATCH = 64  # a step rarely completes more windows
 # With graphs, a step with a prompt in it replays a mixed graph, slower than the decode graph
 # for the same decodes: admitting at most every 4th step while streams run gave 16% more
@@ -153,8 +154,9 @@ def check_overrides(overrides: Mapping[str, object], device: str) -> None:
         ),
         (bool(rows) and (cpu or not fused), "few_row_gemm_rows needs fused_ops on a CUDA device"),
         (
-            not 0 <= o.get("few_row_fp8_rows", 0) <= 512,
-            f"few_row_fp8_rows must be in 0..512, got {o.get('few_row_fp8_rows')}",
+            not 0 <= o.get("few_row_fp8_rows", 0) <= MAX_FEW_ROW_FP8_ROWS,
+            f"few_row_fp8_rows must be in 0..{MAX_FEW_ROW_FP8_ROWS}, "
+            f"got {o.get('few_row_fp8_rows')}",
         ),
         (
             bool(o.get("few_row_fp8_rows")) and (cpu or not fused),

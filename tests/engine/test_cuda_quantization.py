@@ -12,6 +12,7 @@ import torch
 
 from engine import Engine, EngineConfig, SamplingParams
 from engine.quantization import Fp8Linear, Fp8Ops
+from kernels.skinny_gemm import TILE_ROWS
 from tests.engine.test_cuda_parity import _factory, _scenarios, full_ckpt  # noqa: F401
 from tests.engine.test_parity import make_reference
 
@@ -66,7 +67,7 @@ def test_every_fp8_replay_equals_its_eager_twin(tiny_ckpt, few_rows, pow2_rows):
             assert torch.equal(out[:num_tokens], twin[:num_tokens])
             checked["decode" if graph.max_query_len == 1 else "mixed"] += 1
             # past our GEMM (torch._scaled_mm), or past its one tile (blocks of rows)
-            checked["large"] += graph.num_tokens > min(engine.model.ops.max_rows, 128)
+            checked["large"] += graph.num_tokens > min(engine.model.ops.max_rows, TILE_ROWS)
             return out
 
         graph = type(graph)(
