@@ -181,6 +181,7 @@ class TritonAttention(_StoreThenAttend):
         self.fuse_decode = self.plan.fused_decode  # one launch: decode steps that do not split
         self.prefetch_pages = self.plan.page_prefetch  # page ids a tile ahead (one-pass)
         self.flat_grid = self.plan.flat_attention_grid  # mixed steps: no empty programs
+        self.split_mixed = self.plan.split_mixed_attention  # mixed steps: decode rows apart
 
     @staticmethod
     def store(k, v, kv_cache, slots):
@@ -224,7 +225,7 @@ class TritonAttention(_StoreThenAttend):
         return paged_decode_attention_fused(*norm_args, *cache, *index, scale, **knobs)
 
     def attend(self, q, kv_cache, meta, scale):
-        from kernels.paged_attention import paged_attention
+        from kernels.paged_attention import DECODE_ROWS, PROMPT_ROWS, paged_attention
         from kernels.paged_decode import paged_decode_attention
 
         knobs = self._mixed_knobs(q.shape[0])
@@ -242,17 +243,15 @@ class TritonAttention(_StoreThenAttend):
                     scale,
                     splits,
                 )
-        return paged_attention(
-            q,
-            kv_cache[0],
-            kv_cache[1],
-            meta.query_start_loc,
-            meta.seq_lens,
-            meta.block_tables,
-            scale,
-            meta.max_query_len,
-            **knobs,
-        )
+        index = (meta.query_start_loc, meta.seq_lens, meta.block_tables, scale)
+        if not self.split_mixed or meta.max_query_len == 1:
+            return paged_attention(q, *kv_cache, *index, meta.max_query_len, **knobs)
+        # Prompt rows in tall query tiles, then decode rows in the decode launch's small ones:
+        # in one launch a decode row takes a tall tile too, which does the softmax of BLOCK_M
+        # rows for one and gains nothing from a float8 cache's halved bytes.
+        out = paged_attention(q, *kv_cache, *index, meta.max_query_len, rows=PROMPT_ROWS, **knobs)
+        knobs = self._decode_knobs()
+        return paged_attention(q, *kv_cache, *index, 1, out=out, rows=DECODE_ROWS, **knobs)
 
 
 class _PackedContext(_StoreThenAttend):

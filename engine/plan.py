@@ -65,6 +65,9 @@ class ExecutionPlan:
     # the longest query: the graph of 256 decodes beside a prompt stops launching thousands
     # of empty programs (engine/attention.py, FLAT_GRID_MIN_TOKENS). On with the Triton backend
     flat_attention_grid: bool = False
+    # Triton attention of mixed steps in two launches: prompt rows in tall query tiles, decode
+    # rows in the decode launch's small ones (engine/attention.py). Off until served faster
+    split_mixed_attention: bool = False
     pdl: bool = False  # programmatic dependent launch of the forward's Triton kernels
     few_row_gemm_rows: int = 0  # projections of steps up to this many tokens: our GEMM
     few_row_gemm_tma: bool = False  # ... fetching tiles with TMA tensor descriptors
@@ -143,6 +146,10 @@ def check_overrides(overrides: Mapping[str, object], device: str) -> None:
         (
             o.get("flat_attention_grid") is True and backend in ("torch", "varlen", "flash"),
             "flat_attention_grid is a setting of the Triton attention backend",
+        ),
+        (
+            o.get("split_mixed_attention") is True and backend in ("torch", "varlen", "flash"),
+            "split_mixed_attention is a setting of the Triton attention backend",
         ),
         (
             o.get("pdl") is True and (cpu or not fused),
@@ -228,7 +235,7 @@ def resolve(config, model_config, device) -> ExecutionPlan:
     backend = o.get("attention_backend", "triton" if cuda else "torch")
     fused = o.get("fused_ops", cuda)
     triton = backend == "triton"
-    for name in ("page_prefetch", "flat_attention_grid"):
+    for name in ("page_prefetch", "flat_attention_grid", "split_mixed_attention"):
         if o.get(name) is True and not triton:
             raise ConfigError(f"{name} is a setting of the Triton attention backend, not {backend}")
     item = resolve_dtype(config.dtype, device).itemsize  # bytes of an activation
@@ -263,6 +270,7 @@ def resolve(config, model_config, device) -> ExecutionPlan:
         fused_decode=o.get("fused_decode", fused and triton),
         page_prefetch=o.get("page_prefetch", triton),
         flat_attention_grid=o.get("flat_attention_grid", triton),
+        split_mixed_attention=o.get("split_mixed_attention", False),
         pdl=resolve_pdl(o.get("pdl"), fused, device),
         few_row_gemm_rows=rows,
         few_row_fp8_rows=o.get(

@@ -129,6 +129,7 @@ def _paged_attention_kernel(
     FUSED_ROWS: tl.constexpr,
     PREFETCH: tl.constexpr,  # page ids read one tile ahead (see the loop)
     FLAT: tl.constexpr,  # grid (query blocks of all sequences, KV heads): _flat_program_ids
+    ROWS: tl.constexpr,  # sequences served: ALL_ROWS, DECODE_ROWS or PROMPT_ROWS (paged_attention)
     PDL: tl.constexpr,
 ):
     pdl_enter(PDL)
@@ -139,6 +140,10 @@ def _paged_attention_kernel(
     q_start = tl.load(qsl_ptr + seq)
     q_len = tl.load(qsl_ptr + seq + 1) - q_start
     if mblock * BLOCK_M >= q_len:
+        return
+    if ROWS == 1 and q_len != 1:  # DECODE_ROWS
+        return
+    if ROWS == 2 and q_len == 1:  # PROMPT_ROWS
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     first_pos = seq_len - q_len
@@ -257,6 +262,11 @@ def check_decode_inputs(qkv, positions, slots, k_cache, num_heads, num_kv_heads,
         raise ValueError(f"k_cache must be [blocks, page, {num_kv_heads}, {d}], D contiguous")
 
 
+# which sequences a launch serves (the kernel's ROWS): a mixed step may give its decode rows
+# and its prompt rows each a launch with its own query tile (engine/attention.py)
+ALL_ROWS, DECODE_ROWS, PROMPT_ROWS = 0, 1, 2
+
+
 def query_block_size(max_query_len: int, group: int) -> int:
     """Query tokens per program: tiles of at least 16 rows (tl.dot's minimum), 64 rows for
     prefill-sized queries."""
@@ -281,6 +291,7 @@ def paged_attention(
     heads_first: bool = False,
     prefetch_pages: bool = False,
     flat_grid: bool = False,
+    rows: int = ALL_ROWS,
 ) -> torch.Tensor:
     """Attention of every query row over its sequence's paged K/V; returns `[T, Hq, D]`.
     block_n / num_warps / num_stages / k_rows / heads_first (grid order) / prefetch_pages
@@ -291,10 +302,12 @@ def paged_attention(
     `flat_grid`: one program per query block that can exist, cdiv(T, block) + sequences of
     them (T = q's rows), instead of sequences x cdiv(max_query_len, block): a 256-token graph
     of 256 decodes launches 272 programs a KV head, not 4,096 of which 3,840 return at once.
-    The launch then depends on no query bound (heads_first does not apply)."""
+    The launch then depends on no query bound (heads_first does not apply).
+    `rows`: DECODE_ROWS serves only sequences of one query token, PROMPT_ROWS only the others
+    (rows of sequences not served are left as `out` had them), ALL_ROWS every sequence."""
     knobs = (block_n, num_warps, num_stages, k_rows, heads_first, prefetch_pages, flat_grid)
     args = (q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale)
-    return _launch(*args, max_query_len, out, None, knobs)
+    return _launch(*args, max_query_len, out, None, knobs, rows)
 
 
 def paged_decode_attention_fused(
@@ -335,7 +348,7 @@ def paged_decode_attention_fused(
     fused = (qkv, q_weight, k_weight, cos, sin, positions, slots, eps)
     args = (q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale)
     knobs = (block_n, num_warps, num_stages, k_rows, heads_first, prefetch_pages, False)
-    return _launch(*args, 1, out, fused, knobs)
+    return _launch(*args, 1, out, fused, knobs, ALL_ROWS)
 
 
 def _launch(
@@ -350,6 +363,7 @@ def _launch(
     out,
     fused,
     knobs,
+    rows,
 ):
     num_seqs = seq_lens.shape[0]
     _, hq, d = q.shape
@@ -406,6 +420,7 @@ def _launch(
         FUSED_ROWS=triton.next_power_of_2(group + 2),
         PREFETCH=prefetch,
         FLAT=flat,
+        ROWS=rows,
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl_launch(),

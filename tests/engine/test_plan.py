@@ -210,3 +210,58 @@ def test_the_flat_attention_grid_is_a_triton_setting(tiny_ckpt):
         EngineConfig(plan_overrides={"attention_backend": "torch", "flat_attention_grid": True})
     with pytest.raises(ConfigError, match="flat_attention_grid must be a bool, got 1"):
         EngineConfig(plan_overrides={"flat_attention_grid": 1})
+
+
+def test_split_mixed_attention_is_an_opt_in_triton_setting(tiny_ckpt):
+    """Off by default (not yet served faster), asked for only of the Triton backend."""
+    _, model_config = read_config(tiny_ckpt)
+    triton = {"attention_backend": "triton"}
+    assert not resolve(EngineConfig(plan_overrides=triton), model_config, CPU).split_mixed_attention
+    on = triton | {"split_mixed_attention": True}
+    assert resolve(EngineConfig(plan_overrides=on), model_config, CPU).split_mixed_attention
+    with pytest.raises(ConfigError, match="split_mixed_attention is a setting of the Triton"):
+        EngineConfig(plan_overrides={"attention_backend": "torch", "split_mixed_attention": True})
+    with pytest.raises(ConfigError, match="split_mixed_attention must be a bool, got 'yes'"):
+        EngineConfig(plan_overrides={"split_mixed_attention": "yes"})
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_split_mixed_attention_launches_decode_rows_apart(split, monkeypatch):
+    """With the setting, a mixed step's attention is two launches (prompt rows, then decode
+    rows) and a decode-only step's stays one; either way every row is the torch backend's
+    (the Triton interpreter, fp32)."""
+    import kernels.paged_attention as pa
+    from engine.attention import AttentionMetadata
+
+    launches = []
+    original = pa.paged_attention
+
+    def counted(*args, **kwargs):
+        launches.append(kwargs.get("rows", pa.ALL_ROWS))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(pa, "paged_attention", counted)
+    g = torch.Generator().manual_seed(4)
+    cache = torch.randn(2, 9, 4, 2, 16, generator=g)
+    plan = ExecutionPlan(attention_backend="triton", split_mixed_attention=split)
+    triton, torch_ref = TritonAttention(plan), TorchAttention(plan)
+    triton.split_target = 1  # these few decodes in the one-pass kernel, not the split-KV one
+    # a prompt of 5 beside two decodes, a padding sequence and a padding token; then decodes
+    steps = [([0, 5, 6, 7, 7], [5, 9, 3, 0], 5), ([0, 1, 2, 2], [6, 10, 0], 1)]
+    for qsl, seq_lens, max_q in steps:
+        t, b = qsl[-1] + 1, len(seq_lens)
+        meta = AttentionMetadata(
+            num_tokens=t,
+            num_seqs=b,
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            block_tables=torch.tensor([[1, 2, 3], [4, 5, 6], [7, 8, 0], [0, 0, 0]][:b]).int(),
+            slot_mapping=torch.zeros(t, dtype=torch.int64),
+            max_query_len=max_q,
+            max_seq_len=max(seq_lens),
+        )
+        q = torch.randn(t, 4, 16, generator=g)
+        out = triton.attend(q, cache, meta, 0.25)[: qsl[-1]]
+        torch.testing.assert_close(out, torch_ref.attend(q, cache, meta, 0.25)[: qsl[-1]])
+    mixed = [pa.PROMPT_ROWS, pa.DECODE_ROWS] if split else [pa.ALL_ROWS]
+    assert launches == mixed + [pa.ALL_ROWS]

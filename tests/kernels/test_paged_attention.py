@@ -6,7 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.paged_attention import paged_attention, paged_attention_reference, query_block_size
+from kernels.paged_attention import (
+    DECODE_ROWS,
+    PROMPT_ROWS,
+    paged_attention,
+    paged_attention_reference,
+    query_block_size,
+)
 
 GPU = torch.cuda.is_available()
 
@@ -138,6 +144,50 @@ def test_the_flat_grid_needs_no_query_bound():
     assert torch.isfinite(out).all() and rel_err(out, ref) <= (3e-3 if GPU else 1e-5)
 
 
+def _split_launches(q, k, v, meta, scale, bound, flat):
+    """A mixed step in two launches, as the engine's split_mixed_attention runs it: prompt
+    rows in tall tiles, then decode rows in the decode launch's small ones."""
+    out = torch.full_like(q, float("nan"))
+    paged_attention(q, k, v, *meta, scale, bound, out=out, flat_grid=flat, rows=PROMPT_ROWS)
+    paged_attention(q, k, v, *meta, scale, 1, out=out, rows=DECODE_ROWS)
+    return out
+
+
+def _rows_of(q_lens, decode: bool) -> torch.Tensor:
+    """A mask over the token rows: those of sequences of one query token (or the others)."""
+    return torch.tensor([(n == 1) == decode for n in q_lens for _ in range(n)])
+
+
+MIXED_CASES = [CPU_CASES[1], CPU_CASES[4], ([1, 0, 3, 1, 1], [6, 0, 0, 2, 11])]
+
+
+@pytest.mark.parametrize("q_lens, ctx_lens", MIXED_CASES)
+@pytest.mark.parametrize("flat", [False, True])
+def test_decode_rows_apart_compute_what_their_own_launches_do(q_lens, ctx_lens, flat):
+    """A launch of PROMPT_ROWS writes the rows of sequences of several query tokens and
+    leaves the others alone, DECODE_ROWS the reverse; together they write every row, each
+    bit for bit what a launch of every sequence writes with the same tile (the tall tile of
+    the step's query bound for prompt rows, the decode launch's for decode rows)."""
+    device = "cuda" if GPU else "cpu"
+    q, k, v, meta = make_batch(q_lens, ctx_lens, 8, 2, 32, 16, torch.float32, device, seed=3)
+    scale, bound = 32**-0.5, max(q_lens)
+    decode, prompt = _rows_of(q_lens, True).to(device), _rows_of(q_lens, False).to(device)
+    assert decode.any() and prompt.any()
+    tall, small = (torch.full_like(q, float("nan")) for _ in range(2))
+    paged_attention(q, k, v, *meta, scale, bound, out=tall, flat_grid=flat)
+    paged_attention(q, k, v, *meta, scale, 1, out=small)
+    only = torch.full_like(q, float("nan"))
+    paged_attention(q, k, v, *meta, scale, bound, out=only, flat_grid=flat, rows=PROMPT_ROWS)
+    assert torch.equal(only[prompt], tall[prompt]) and torch.isnan(only[decode]).all()
+    only = torch.full_like(q, float("nan"))
+    paged_attention(q, k, v, *meta, scale, 1, out=only, rows=DECODE_ROWS)
+    assert torch.equal(only[decode], small[decode]) and torch.isnan(only[prompt]).all()
+    out = _split_launches(q, k, v, meta, scale, bound, flat)
+    assert torch.equal(out[prompt], tall[prompt]) and torch.equal(out[decode], small[decode])
+    ref = paged_attention_reference(q, k, v, *meta, scale)
+    assert rel_err(out, ref) <= (3e-3 if GPU else 1e-5)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize(
     "q_lens, ctx_lens",
@@ -157,6 +207,26 @@ def test_kernel_matches_reference_higgs_shape_bf16(q_lens, ctx_lens, bound, layo
         k, v = (_head_major(x) for x in (k, v))
     out = torch.full_like(q, float("nan"))
     paged_attention(q, k, v, *meta, 128**-0.5, bound or max(q_lens), out=out, flat_grid=flat)
+    ref = paged_attention_reference(q, k, v, *meta, 128**-0.5)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) <= 1e-2
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(
+    "q_lens, ctx_lens",
+    [([9] + [1] * 128, [300] + [400] * 128), ([25, 1, 140] + [1] * 253, [0, 5, 200] + [400] * 253)],
+)
+@pytest.mark.parametrize("cache", ["bf16", "fp8"])
+def test_decode_rows_apart_higgs_shape(q_lens, ctx_lens, cache):
+    """The served mixed steps (decodes beside a clone prompt, in the bucket's graph bound and
+    the flat grid) in two launches at the Higgs shape, over a bf16 and a float8 cache: every
+    row written, the reference's attention within bf16 (fp16 operands for float8) rounding."""
+    q, k, v, meta = make_batch(q_lens, ctx_lens, 32, 8, 128, 16, torch.bfloat16, "cuda")
+    if cache == "fp8":
+        k, v = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
+    bound = 16 * -(-q.shape[0] // 16)  # the bucket's token count
+    out = _split_launches(q, k, v, meta, 128**-0.5, bound, flat=True)
     ref = paged_attention_reference(q, k, v, *meta, 128**-0.5)
     assert torch.isfinite(out).all()
     assert rel_err(out, ref) <= 1e-2

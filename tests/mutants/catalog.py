@@ -296,6 +296,26 @@ MUTANTS = (
         "garbage speech that runs to the length cap",
     ),
     Mutant(
+        "decode-launch-skips-decode-rows",
+        "kernels/paged_attention.py",
+        "    if ROWS == 1 and q_len != 1:  # DECODE_ROWS",
+        "    if ROWS == 1 and q_len >= 1:  # DECODE_ROWS",
+        (
+            "tests/kernels/test_paged_attention.py::"
+            "test_decode_rows_apart_compute_what_their_own_launches_do",
+        ),
+        "with split_mixed_attention, every stream decoding beside a new prompt gets no "
+        "attention output that step: noise in every stream whenever a request is admitted",
+    ),
+    Mutant(
+        "split-attention-serves-prompts-twice",
+        "engine/attention.py",
+        "*index, 1, out=out, rows=DECODE_ROWS, **knobs)",
+        "*index, 1, out=out, rows=PROMPT_ROWS, **knobs)",
+        ("tests/engine/test_plan.py::test_split_mixed_attention_launches_decode_rows_apart",),
+        "with split_mixed_attention, the decode rows of a mixed step are never attended",
+    ),
+    Mutant(
         "row-blocks-read-the-first-rows",
         "kernels/skinny_gemm.py",
         "            x = x_ptr.load([block * BM, k0])",
