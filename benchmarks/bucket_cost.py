@@ -32,21 +32,27 @@ from benchmarks.overrides import engine_config  # noqa: E402
 from engine import Engine  # noqa: E402
 
 
-def load_batch(runner, q_lens: list[int], ctx_lens: list[int], seed: int = 0) -> int:
+def load_batch(
+    runner, q_lens: list[int], ctx_lens: list[int], seed: int = 0, shared: int = 0
+) -> int:
     """Puts a real-looking batch into the runner's input buffers: sequence b has `ctx_lens[b]`
     positions of K/V already (random, in pages drawn at random) and `q_lens[b]` new ones. The
-    caches are filled with noise. Returns the batch's token count."""
+    caches are filled with noise. `shared`: the first that many positions (whole pages) of
+    every sequence whose context holds them are the same pages, as when every stream clones
+    one voice through the prefix cache. Returns the batch's token count."""
     lay, h = runner.layout, runner.host_np
     bs = runner.config.block_size
     rng = np.random.default_rng(seed)
     free = rng.permutation(np.arange(1, runner.kv_caches[0].shape[1]))
-    qsl, t, used = lay.view(h, "query_start_loc"), 0, 0
+    common = free[: shared // bs]  # the shared prefix's pages
+    qsl, t, used = lay.view(h, "query_start_loc"), 0, len(common)
     tables = lay.view(h, "block_tables").reshape(-1, runner.max_blocks)
     qsl[0] = 0
     for b, (n, ctx) in enumerate(zip(q_lens, ctx_lens, strict=True)):
         pages = -(-(ctx + n) // bs)
-        blocks = free[used : used + pages]
-        used += pages
+        mine = len(common) if ctx >= len(common) * bs else 0  # pages taken from the prefix
+        blocks = np.concatenate([common[:mine], free[used : used + pages - mine]])
+        used += pages - mine
         tables[b, :pages] = blocks
         pos = np.arange(ctx, ctx + n)
         lay.view(h, "positions")[t : t + n] = pos
@@ -62,11 +68,12 @@ def load_batch(runner, q_lens: list[int], ctx_lens: list[int], seed: int = 0) ->
     return t
 
 
-def step_fn(runner, q_lens: list[int], ctx_lens: list[int], mixed: bool = False):
+def step_fn(runner, q_lens: list[int], ctx_lens: list[int], mixed: bool = False, shared=0):
     """(the graph replayed, e.g. "decode 64" or "mixed 80", or "eager"; a callable that runs
     the step's backbone once) for the batch, loaded into the runner's buffers. `mixed`: a
-    decode-only batch through the mixed graph of its bucket, as when a prompt is beside it."""
-    t = load_batch(runner, q_lens, ctx_lens)
+    decode-only batch through the mixed graph of its bucket, as when a prompt is beside it.
+    `shared`: as load_batch's."""
+    t = load_batch(runner, q_lens, ctx_lens, shared=shared)
     n, max_q = len(q_lens), max(q_lens)
     decode = max_q == 1 and not mixed
     graph = runner.graphs.lookup(t, decode_only=decode) if runner.graphs else None
@@ -110,18 +117,20 @@ HEADER = "{:>7} {:>6} {:>6} {:>10} {:>9} {:>14} {:>14}".format(
 )
 
 
-def measure(engine, decodes: list[int], prompts: list[int], context: int, iters: int, out=None):
+def measure(
+    engine, decodes: list[int], prompts: list[int], context: int, iters: int, out=None, shared=0
+):
     """Rows of (decodes, prompt, tokens, graph, ms): for each D the decode-only step first,
     then the same decodes through the mixed graph, then beside each prompt. `out`: called
     with each row's printed line as it is measured (a run cut by its time limit keeps what
-    it printed)."""
+    it printed). `shared`: positions of context every decode shares (load_batch)."""
     rows = []
     for d in decodes:
         shapes = [(0, False), (0, True)] + [(p, False) for p in sorted(set(prompts) - {0})]
         for p, mixed in shapes:
             q_lens = ([p] if p else []) + [1] * d
             ctx_lens = ([0] if p else []) + [context] * d
-            graph, fn = step_fn(engine.runner, q_lens, ctx_lens, mixed)
+            graph, fn = step_fn(engine.runner, q_lens, ctx_lens, mixed, shared)
             if mixed and graph == "eager":
                 continue  # no graphs: the decode-only row already is this forward
             rows.append((d, p, sum(q_lens), graph, time_ms(fn, engine.device, iters)))
@@ -148,6 +157,13 @@ def main() -> None:
     ap.add_argument("--decodes", default="64,128,256")
     ap.add_argument("--prompts", default="0,9,25,60,246")
     ap.add_argument("--context", type=int, default=400)
+    ap.add_argument(
+        "--shared-prefix",
+        type=int,
+        default=0,
+        help="positions of every decode's context in pages all decodes share (one voice "
+        "through the prefix cache: its K/V read from L2 more than from DRAM)",
+    )
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--eager", action="store_true", help="no graphs: the forward itself")
@@ -172,11 +188,13 @@ def main() -> None:
     engine = Engine.from_pretrained(args.ckpt, engine_config(fields, plan, args.set))
     name = torch.cuda.get_device_name() if engine.device.type == "cuda" else "CPU"
     print(
-        f"\nbackbone step per batch shape, {name}, context ~{args.context}, "
+        f"\nbackbone step per batch shape, {name}, context ~{args.context} "
+        f"({args.shared_prefix} shared), "
         f"{' '.join(args.set) or 'default settings'}"
     )
     print(HEADER, flush=True)
-    measure(engine, decodes, prompts, args.context, args.iters, lambda s: print(s, flush=True))
+    out = lambda s: print(s, flush=True)  # noqa: E731
+    measure(engine, decodes, prompts, args.context, args.iters, out, args.shared_prefix)
 
 
 if __name__ == "__main__":

@@ -92,6 +92,30 @@ def test_bucket_cost_times_every_shape_against_its_decode_only_twin(tiny_ckpt):
     assert np.all(pages >= 1)
 
 
+def test_bucket_cost_shares_a_prefix_of_pages_among_the_decodes(tiny_ckpt):
+    """`--shared-prefix`: every decode whose context holds the prefix reads its first pages
+    from the same blocks (one voice through the prefix cache), its later pages and the slot
+    of its new row its own; the prompt beside them (no context) shares nothing."""
+    from benchmarks.bucket_cost import load_batch
+    from engine import Engine, EngineConfig
+
+    config = EngineConfig(max_num_seqs=9, max_num_batched_tokens=64, num_kv_blocks=256)
+    engine = Engine.from_pretrained(tiny_ckpt, config)
+    runner, bs = engine.runner, config.block_size
+    t = load_batch(runner, [5, 1, 1, 1], [0, 40, 40, 40], seed=2, shared=2 * bs + 3)
+    lay, h = runner.layout, runner.host_np
+    tables = lay.view(h, "block_tables").reshape(-1, runner.max_blocks)
+    pages = -(-41 // bs)
+    decodes = [list(tables[b, :pages]) for b in (1, 2, 3)]
+    assert decodes[0][:2] == decodes[1][:2] == decodes[2][:2]  # whole pages of the prefix
+    later = [set(d[2:]) for d in decodes]
+    assert not (later[0] & later[1] or later[1] & later[2] or later[0] & later[2])
+    prompt = set(tables[0, : -(-5 // bs)])
+    assert not prompt & set(decodes[0]) and 0 not in prompt
+    slots = lay.view(h, "slot_mapping")[:t]
+    assert len(set(slots)) == t and not set(slots // bs) & set(decodes[0][:2])
+
+
 def test_bucket_cost_replays_the_graph_serving_would_pick(tiny_ckpt, monkeypatch):
     """The graph path of benchmarks/bucket_cost.py, with the runner's graphs stood in for (no
     GPU here): decode-only batches ask for the decode graph, then the mixed graph of the same
