@@ -23,7 +23,8 @@
 #                PROTOCOL_C, e.g. 1,32,64 then 128,256), PROTOCOL_S
 #   LEVERS="NAME:VAR=VALUE+VAR=VALUE ..." one served run per lever, its server started with
 #                those environment variables (e.g. budget:CLONECAST_MAX_BATCHED_TOKENS=1024),
-#                LEVER_VOICES the pool (64cold), LEVER_C (128,256), LEVER_STARTS (1), LEVER_ARGS;
+#                LEVER_VOICES the pool (64cold), LEVER_C (128,256), LEVER_STARTS (1), LEVER_ARGS,
+#                LEVER_LIMIT s each (200; the first LEVER_FIRST_EXTRA more, 45: compiling);
 #                LEVER_DUMP="60 120": py-spy dumps (native frames) of the server and engine
 #                processes that many s after ready, in $OUT/dump-NAME.txt (needs py-spy's
 #                wheel in .whl)
@@ -118,13 +119,18 @@ if [ "${PROTOCOL:-0}" = 1 ]; then
   timeout ${PROTOCOL_LIMIT:-560} python3 benchmarks/serve_bench.py --model $CKPT --concurrency ${PROTOCOL_C:-1,32,64,128,256} --voices ${PROTOCOL_VOICES:-64cold} --timed-s ${PROTOCOL_S:-10} --warmup 64 --starts 3 --fresh-server --max-num-seqs 256 ${PROTOCOL_ARGS:-} --out "$OUT/protocol" > "$OUT/protocol.log" 2>&1
   grep -v -e "^[0-9]* voices C=" -e "^  C=" "$OUT/protocol.log" | tail -60
 fi
+# A call's first served run is the slow one: its start and warm-up compile the Triton kernels
+# (H100, 2026-12-07: 83 against 62 s to ready; 125 s cut a first run that a second finished
+# within). The first lever gets LEVER_FIRST_EXTRA more seconds.
+extra=${LEVER_FIRST_EXTRA:-45}
 for lever in ${LEVERS:-}; do
   name=${lever%%:*}; assigns=${lever#*:}
+  limit=$((${LEVER_LIMIT:-200} + extra)); extra=0
   echo "lever $name: ${assigns//+/ }"
   if [ -n "${LEVER_DUMP:-}" ]; then  # "D1 D2 ...": py-spy dumps of every thread D s after ready
-    timeout $((${LEVER_LIMIT:-200} + 30)) python3 benchmarks/server_procs.py dump "$OUT/dump-$name.txt" $LEVER_DUMP &
+    timeout $((limit + 30)) python3 benchmarks/server_procs.py dump "$OUT/dump-$name.txt" $LEVER_DUMP &
   fi
-  env ${assigns//+/ } timeout ${LEVER_LIMIT:-200} python3 benchmarks/serve_bench.py --model $CKPT --concurrency ${LEVER_C:-128,256} --voices ${LEVER_VOICES:-64cold} --timed-s ${PROTOCOL_S:-10} --warmup 64 --starts ${LEVER_STARTS:-1} --fresh-server --max-num-seqs 256 ${LEVER_ARGS:-} --out "$OUT/lever-$name" > "$OUT/lever-$name.log" 2>&1
+  env ${assigns//+/ } timeout $limit python3 benchmarks/serve_bench.py --model $CKPT --concurrency ${LEVER_C:-128,256} --voices ${LEVER_VOICES:-64cold} --timed-s ${PROTOCOL_S:-10} --warmup 64 --starts ${LEVER_STARTS:-1} --fresh-server --max-num-seqs 256 ${LEVER_ARGS:-} --out "$OUT/lever-$name" > "$OUT/lever-$name.log" 2>&1
   grep -v "^[0-9]* voices C=" "$OUT/lever-$name.log" | tail -14
   wait  # the dumps, if any
 done
