@@ -112,12 +112,11 @@ class _ProcessTransport:
 class _ThreadTransport:
     """Two plain queues and a thread of this process serving the given engine."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, profile=None):
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
         self.events: queue.SimpleQueue = queue.SimpleQueue()
-        self.thread = threading.Thread(
-            target=thread_main, args=(engine, self.commands, self.events), daemon=True
-        )
+        args = (engine, self.commands, self.events, profile)  # profile: ServiceSettings'
+        self.thread = threading.Thread(target=thread_main, args=args, daemon=True)
 
     def start(self) -> None:
         self.thread.start()
@@ -175,8 +174,8 @@ class EngineClient:
         return cls(_ProcessTransport(spec), on_steps, on_exit)
 
     @classmethod
-    def in_thread(cls, engine: Engine, on_steps=None, on_exit=None) -> EngineClient:
-        return cls(_ThreadTransport(engine), on_steps, on_exit)
+    def in_thread(cls, engine: Engine, on_steps=None, on_exit=None, profile=None) -> EngineClient:
+        return cls(_ThreadTransport(engine, profile), on_steps, on_exit)
 
     # -- lifecycle ---------------------------------------------------------------------------
 

@@ -339,9 +339,10 @@ def process_main(spec: EngineSpec, commands, events) -> None:
         os._exit(0)
 
 
-def thread_main(engine: Engine, commands, events) -> None:
-    """An engine of the server's own process, served by the same loop from a thread."""
-    host = EngineHost(engine, events)
+def thread_main(engine: Engine, commands, events, profile=None) -> None:
+    """An engine of the server's own process, served by the same loop from a thread;
+    `profile` as the engine process's (ServiceSettings.profile)."""
+    host = EngineHost(engine, events, profile)
     try:
         host.start()
         host.serve(commands)

@@ -129,7 +129,9 @@ class Engines:
                     codec=settings.codec,
                     cache_dir=settings.cache_dir,
                 )
-            client = EngineClient.in_thread(slot.engine, metrics.observe_steps, on_exit)
+            client = EngineClient.in_thread(
+                slot.engine, metrics.observe_steps, on_exit, settings.profile
+            )
         try:
             client.start()
             if not client.info.has_codec:

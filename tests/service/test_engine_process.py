@@ -296,6 +296,34 @@ def test_the_engine_process_profiles_busy_steps_on_request(model_cache, tmp_path
     assert not process.alive
 
 
+def test_an_engine_thread_profiles_busy_steps_too(model_cache, tmp_path):
+    """An engine served from a thread of the server's own process (tests, and
+    benchmarks/sim_server.py, which models the served host work on a CPU) takes the same
+    CLONECAST_PROFILE: the python mode's tables and each thread's CPU time."""
+    from engine import Engine, EngineConfig
+
+    out = tmp_path / "profile.txt"
+    engine = Engine.from_pretrained(None, EngineConfig(device="cpu"), cache_dir=model_cache)
+    client = EngineClient.in_thread(engine, profile=(1, 4, str(out), "python", 1))
+    client.start()
+    try:
+        finished = threading.Event()
+
+        def sink(o):
+            return (isinstance(o, BaseException) or o.finished) and finished.set()
+
+        client.submit("t", "profile me", None, SamplingParams(max_rows=20), sink)
+        assert finished.wait(60)
+        deadline = time.monotonic() + 10
+        while not out.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        text = out.read_text()
+        assert "-- by tottime --" in text and "4 busy steps of the engine process" in text
+        assert "CPU time per thread" in text and "clonecast-engine" in text
+    finally:
+        client.stop()
+
+
 def test_after_stop_requests_fail_clearly_and_stop_again_is_harmless(model_cache):
     """stop() releases the queues to the engine process (their semaphores go with them): a
     request, an abort or an encode afterwards never touches them; stopping twice is fine."""
