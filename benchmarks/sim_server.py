@@ -10,13 +10,20 @@ streams running. Its codec costs time but never slows the backbone, which the H2
 like under load (there the codec shares the SMs: hiding its latency gained nothing on the
 GPU, +22-30% here), so it cannot predict codec levers.
 
+With `--engine-process` the engine runs in its own process, as the GPU server's does (the
+service's default), instead of a thread of the server's: the engine then shares the
+interpreter lock with its own threads only, not with the WebSocket loop.
+
     python benchmarks/sim_server.py --port 8790 --max-num-seqs 256 [--step-ms 3.7+0.029]
-    python benchmarks/serve_bench.py --server sim ...   (starts it for you)
+        [--engine-process]
+    python benchmarks/serve_bench.py --sim "..." ...   (starts it for you)
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
 import sys
 import time
 from pathlib import Path
@@ -84,6 +91,29 @@ class SimulatedEvent:
             time.sleep(wait)
 
 
+# `--engine-process`: the service spawns its engine process, which imports this module as
+# `__mp_main__` before it loads the engine; the simulation's parameters come through the
+# environment, and the engine it loads is made a simulated one there.
+SIM_ENV = "CLONECAST_SIM_ENGINE"  # "A,B,CODEC_MS"
+
+
+def _simulate_loaded_engines(a: float, b: float, codec_ms: float) -> None:
+    import service.engine_host as host
+
+    class SimulatedEngine(Engine):
+        @classmethod
+        def from_pretrained(cls, *args, **kwargs):
+            engine = Engine.from_pretrained(*args, **kwargs)
+            simulate(engine, a, b, codec_ms)
+            return engine
+
+    host.Engine = SimulatedEngine
+
+
+if __name__ == "__mp_main__" and os.environ.get(SIM_ENV):
+    _simulate_loaded_engines(*(float(x) for x in os.environ[SIM_ENV].split(",")))
+
+
 def main() -> None:
     import uvicorn
 
@@ -95,9 +125,22 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--step-ms", default="3.7+0.029", help="A+B: A + B * tokens per step")
     ap.add_argument("--codec-ms", type=float, default=1.5, help="per codec batch")
+    ap.add_argument(
+        "--engine-process",
+        action="store_true",
+        help="the engine in its own process, as served on a GPU (default: a server thread)",
+    )
     args = ap.parse_args()
     a, b = (float(x) for x in args.step_ms.split("+"))
     settings = ServiceSettings.from_env(port=args.port, max_num_seqs=args.max_num_seqs)
+    if args.engine_process:
+        os.environ[SIM_ENV] = f"{a},{b},{args.codec_ms}"  # read by the spawned engine process
+        settings = dataclasses.replace(settings, engine_process=True)
+        where = f"step {a}+{b}*tokens ms, engine process"
+        print(f"simulated server on {args.port}: {where}", file=sys.stderr)
+        app = create_app(settings)
+        uvicorn.run(app, log_level="warning", **uvicorn_options(settings))
+        return
     config = EngineConfig(
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=max(512, args.max_num_seqs),

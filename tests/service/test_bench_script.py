@@ -48,10 +48,13 @@ def test_serve_bench_smoke(tmp_path, model_cache):
     assert "pool" in stdout
 
 
-def test_simulated_server_runs_the_same_protocol(tmp_path, model_cache):
-    """`--sim`: the real service with the GPU work replaced by waits (benchmarks/sim_server.py).
+@pytest.mark.parametrize("where", ["", " --engine-process"])
+def test_simulated_server_runs_the_same_protocol(tmp_path, model_cache, where):
+    """`--sim`: the real service with the GPU work replaced by waits (benchmarks/sim_server.py),
+    its engine in a thread of the server or, as served on a GPU, in its own process (where
+    the simulation must reach the spawned process: the real CPU forward waits for nothing).
     Steps of 20 + 0 ms: 2 clients of 3 requests each need at least 15 steps to first audio."""
-    pool, _ = _bench(tmp_path, model_cache, "--sim", "--step-ms 20+0 --codec-ms 1")
+    pool, _ = _bench(tmp_path, model_cache, "--sim", "--step-ms 20+0 --codec-ms 1" + where)
     assert pool["first_payloads"] == [15360]
     assert pool["ttfa_mean"] >= 15 * 20  # the simulated step time really paces the engine
     # the server's own figures inside the saturated window (benchmarks/metrics_window.py)
