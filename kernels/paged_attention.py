@@ -296,9 +296,10 @@ def paged_attention(
     """Attention of every query row over its sequence's paged K/V; returns `[T, Hq, D]`.
     block_n / num_warps / num_stages / k_rows / heads_first (grid order) / prefetch_pages
     (each tile's page ids read one iteration ahead) are tuning knobs
-    (benchmarks/attention_shapes.py); block_n is rounded up to a whole page. A mixed batch is
-    one launch: decode rows take a tall tile too (splitting them into a second launch of
-    small tiles was slower on the H200; docs/perf-log/).
+    (benchmarks/attention_shapes.py); block_n is rounded up to a whole page. A mixed batch in
+    one launch gives decode rows a tall tile too; `rows` splits it into two launches (the
+    engine's split_mixed_attention: slower with a bf16 cache on the H200, 1-2 ms a step
+    faster with a float8 one on an H100; docs/perf-log/).
     `flat_grid`: one program per query block that can exist, cdiv(T, block) + sequences of
     them (T = q's rows), instead of sequences x cdiv(max_query_len, block): a 256-token graph
     of 256 decodes launches 272 programs a KV head, not 4,096 of which 3,840 return at once.
