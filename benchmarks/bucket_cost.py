@@ -186,6 +186,11 @@ def main() -> None:
     # the backbone only: the codec has its own benchmark (codec_throughput.py)
     plan = {"codec_graph_max_batch": 0} if args.device.startswith("cuda") else {}
     engine = Engine.from_pretrained(args.ckpt, engine_config(fields, plan, args.set))
+    bs, shared = engine.config.block_size, args.shared_prefix
+    if shared % bs or shared > args.context:  # load_batch would share less than asked
+        raise SystemExit(
+            f"--shared-prefix {shared}: whole pages of {bs} positions, at most --context"
+        )
     name = torch.cuda.get_device_name() if engine.device.type == "cuda" else "CPU"
     print(
         f"\nbackbone step per batch shape, {name}, context ~{args.context} "

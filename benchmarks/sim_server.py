@@ -100,14 +100,17 @@ SIM_ENV = "CLONECAST_SIM_ENGINE"  # "A,B,CODEC_MS"
 def _simulate_loaded_engines(a: float, b: float, codec_ms: float) -> None:
     import service.engine_host as host
 
-    class SimulatedEngine(Engine):
-        @classmethod
-        def from_pretrained(cls, *args, **kwargs):
-            engine = Engine.from_pretrained(*args, **kwargs)
-            simulate(engine, a, b, codec_ms)
-            return engine
+    load = Engine.from_pretrained
 
-    host.Engine = SimulatedEngine
+    def load_simulated(*args, **kwargs):
+        engine = load(*args, **kwargs)
+        simulate(engine, a, b, codec_ms)
+        # said where the server's log shows it: a run whose engine process missed this
+        # would time the real CPU forward, not the simulated step
+        print("engine process: GPU work simulated", file=sys.stderr)
+        return engine
+
+    host.Engine = type("SimulatedEngine", (Engine,), {"from_pretrained": load_simulated})
 
 
 if __name__ == "__mp_main__" and os.environ.get(SIM_ENV):
@@ -133,24 +136,25 @@ def main() -> None:
     args = ap.parse_args()
     a, b = (float(x) for x in args.step_ms.split("+"))
     settings = ServiceSettings.from_env(port=args.port, max_num_seqs=args.max_num_seqs)
+    engine = None  # --engine-process: the service loads it in its own process
     if args.engine_process:
         os.environ[SIM_ENV] = f"{a},{b},{args.codec_ms}"  # read by the spawned engine process
         settings = dataclasses.replace(settings, engine_process=True)
-        where = f"step {a}+{b}*tokens ms, engine process"
-        print(f"simulated server on {args.port}: {where}", file=sys.stderr)
-        app = create_app(settings)
-        uvicorn.run(app, log_level="warning", **uvicorn_options(settings))
-        return
-    config = EngineConfig(
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=max(512, args.max_num_seqs),
-        row_events=False,  # as the service configures its engine
-        enable_prefix_caching=settings.prefix_caching,  # CLONECAST_PREFIX_CACHING
-        plan_overrides=settings.plan,  # CLONECAST_PLAN
+    else:
+        config = EngineConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=max(512, args.max_num_seqs),
+            row_events=False,  # as the service configures its engine
+            enable_prefix_caching=settings.prefix_caching,  # CLONECAST_PREFIX_CACHING
+            plan_overrides=settings.plan,  # CLONECAST_PLAN
+        )
+        engine = Engine.from_pretrained(None, config)
+        simulate(engine, a, b, args.codec_ms)
+    where = "its own process" if args.engine_process else "a server thread"
+    print(
+        f"simulated server on {args.port}: step {a}+{b}*tokens ms, engine in {where}",
+        file=sys.stderr,
     )
-    engine = Engine.from_pretrained(None, config)
-    simulate(engine, a, b, args.codec_ms)
-    print(f"simulated server on {args.port}: step {a}+{b}*tokens ms", file=sys.stderr)
     uvicorn.run(create_app(settings, engine), log_level="warning", **uvicorn_options(settings))
 
 

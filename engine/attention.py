@@ -170,8 +170,9 @@ FLAT_GRID_MIN_TOKENS = 129
 
 
 class TritonAttention(_StoreThenAttend):
-    """Our Triton paged-attention kernel: one launch for mixed prefill and decode rows, its
-    grid sized from `meta.max_query_len` (so graph capture must respect the capture bound)."""
+    """Our Triton paged-attention kernel: one launch for mixed prefill and decode rows (two
+    with the plan's split_mixed_attention), its grid sized from `meta.max_query_len` (so graph
+    capture must respect the capture bound)."""
 
     name = "triton"
     split_target = 264  # decode splits each context until about this many programs run

@@ -53,7 +53,7 @@ class StepProfiler:
         elif self.seen == self.skip + self.steps and self.profiler is not None:
             wall = time.perf_counter() - self.wall
             tables = self._stop(wall)
-            summary = f"{self.steps} busy steps of the engine process in {wall * 1e3:.1f} ms\n"
+            summary = f"{self.steps} busy steps of the engine in {wall * 1e3:.1f} ms\n"
             try:
                 self.path.write_text("\n".join(tables) + "\n" + summary)
                 log.warning("step profile written to %s", self.path)

@@ -306,6 +306,8 @@ def paged_attention(
     The launch then depends on no query bound (heads_first does not apply).
     `rows`: DECODE_ROWS serves only sequences of one query token, PROMPT_ROWS only the others
     (rows of sequences not served are left as `out` had them), ALL_ROWS every sequence."""
+    if rows not in (ALL_ROWS, DECODE_ROWS, PROMPT_ROWS):
+        raise ValueError(f"rows must be ALL_ROWS, DECODE_ROWS or PROMPT_ROWS, got {rows!r}")
     knobs = (block_n, num_warps, num_stages, k_rows, heads_first, prefetch_pages, flat_grid)
     args = (q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale)
     return _launch(*args, max_query_len, out, None, knobs, rows)

@@ -102,18 +102,22 @@ def test_bucket_cost_shares_a_prefix_of_pages_among_the_decodes(tiny_ckpt):
     config = EngineConfig(max_num_seqs=9, max_num_batched_tokens=64, num_kv_blocks=256)
     engine = Engine.from_pretrained(tiny_ckpt, config)
     runner, bs = engine.runner, config.block_size
-    t = load_batch(runner, [5, 1, 1, 1], [0, 40, 40, 40], seed=2, shared=2 * bs + 3)
+    # decodes of 40 positions, one of exactly the prefix (its new row opens a page of its
+    # own), one shorter than the prefix (shares nothing)
+    ctx = [0, 40, 40, 40, 2 * bs, bs]
+    t = load_batch(runner, [5] + [1] * 5, ctx, seed=2, shared=2 * bs)
     lay, h = runner.layout, runner.host_np
     tables = lay.view(h, "block_tables").reshape(-1, runner.max_blocks)
-    pages = -(-41 // bs)
-    decodes = [list(tables[b, :pages]) for b in (1, 2, 3)]
-    assert decodes[0][:2] == decodes[1][:2] == decodes[2][:2]  # whole pages of the prefix
-    later = [set(d[2:]) for d in decodes]
-    assert not (later[0] & later[1] or later[1] & later[2] or later[0] & later[2])
-    prompt = set(tables[0, : -(-5 // bs)])
-    assert not prompt & set(decodes[0]) and 0 not in prompt
+    q_lens = [5] + [1] * 5
+    owned = [list(tables[b, : -(-(c + q_lens[b]) // bs)]) for b, c in enumerate(ctx)]
+    prefix = owned[1][:2]
+    assert owned[2][:2] == owned[3][:2] == owned[4][:2] == prefix  # whole pages of the prefix
+    private = [set(owned[b][2:]) for b in (1, 2, 3, 4)] + [set(owned[5]), set(owned[0])]
+    for i, a in enumerate(private):  # every other page is one sequence's own
+        assert not a & set(prefix) and all(not a & b for b in private[i + 1 :])
+    assert 0 not in set().union(*private)
     slots = lay.view(h, "slot_mapping")[:t]
-    assert len(set(slots)) == t and not set(slots // bs) & set(decodes[0][:2])
+    assert len(set(slots)) == t and not set(slots // bs) & set(prefix)
 
 
 def test_bucket_cost_replays_the_graph_serving_would_pick(tiny_ckpt, monkeypatch):

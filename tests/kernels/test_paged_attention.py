@@ -158,7 +158,14 @@ def _rows_of(q_lens, decode: bool) -> torch.Tensor:
     return torch.tensor([(n == 1) == decode for n in q_lens for _ in range(n)])
 
 
-MIXED_CASES = [CPU_CASES[1], CPU_CASES[4], ([1, 0, 3, 1, 1], [6, 0, 0, 2, 11])]
+# mixed steps; the last: a prompt chunk of one position with no context (a 1-token query
+# that is not a decode: the decode launch takes it, with the same arithmetic)
+MIXED_CASES = [
+    CPU_CASES[1],
+    CPU_CASES[4],
+    ([1, 0, 3, 1, 1], [6, 0, 0, 2, 11]),
+    ([1, 4], [0, 3]),
+]
 
 
 @pytest.mark.parametrize("q_lens, ctx_lens", MIXED_CASES)
@@ -186,6 +193,8 @@ def test_decode_rows_apart_compute_what_their_own_launches_do(q_lens, ctx_lens, 
     assert torch.equal(out[prompt], tall[prompt]) and torch.equal(out[decode], small[decode])
     ref = paged_attention_reference(q, k, v, *meta, scale)
     assert rel_err(out, ref) <= (3e-3 if GPU else 1e-5)
+    with pytest.raises(ValueError, match="rows must be ALL_ROWS, DECODE_ROWS or PROMPT_ROWS"):
+        paged_attention(q, k, v, *meta, scale, bound, rows=3)
 
 
 @pytest.mark.cuda

@@ -308,7 +308,7 @@ MUTANTS = (
         "attention output that step: noise in every stream whenever a request is admitted",
     ),
     Mutant(
-        "split-attention-serves-prompts-twice",
+        "split-attention-never-serves-decodes",
         "engine/attention.py",
         "*index, 1, out=out, rows=DECODE_ROWS, **knobs)",
         "*index, 1, out=out, rows=PROMPT_ROWS, **knobs)",

@@ -290,7 +290,7 @@ def test_the_engine_process_profiles_busy_steps_on_request(model_cache, tmp_path
         while not out.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
         text = out.read_text()
-        assert "Self CPU" in text and "5 busy steps of the engine process" in text
+        assert "Self CPU" in text and "5 busy steps of the engine in " in text
     finally:
         process.stop()
     assert not process.alive
@@ -318,7 +318,7 @@ def test_an_engine_thread_profiles_busy_steps_too(model_cache, tmp_path):
         while not out.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
         text = out.read_text()
-        assert "-- by tottime --" in text and "4 busy steps of the engine process" in text
+        assert "-- by tottime --" in text and "4 busy steps of the engine in " in text
         assert "CPU time per thread" in text and "clonecast-engine" in text
     finally:
         client.stop()
