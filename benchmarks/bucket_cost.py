@@ -185,21 +185,24 @@ def main() -> None:
     )
     # the backbone only: the codec has its own benchmark (codec_throughput.py)
     plan = {"codec_graph_max_batch": 0} if args.device.startswith("cuda") else {}
-    engine = Engine.from_pretrained(args.ckpt, engine_config(fields, plan, args.set))
-    bs, shared = engine.config.block_size, args.shared_prefix
-    if shared % bs or shared > args.context:  # load_batch would share less than asked
+    config = engine_config(fields, plan, args.set)
+    bs, shared = config.block_size, args.shared_prefix
+    if shared < 0 or shared % bs or shared > args.context:  # load_batch would share less
         raise SystemExit(
-            f"--shared-prefix {shared}: whole pages of {bs} positions, at most --context"
+            f"--shared-prefix {shared}: whole pages of {bs} positions, at most --context "
+            f"{args.context}"
         )
+    engine = Engine.from_pretrained(args.ckpt, config)
     name = torch.cuda.get_device_name() if engine.device.type == "cuda" else "CPU"
     print(
         f"\nbackbone step per batch shape, {name}, context ~{args.context} "
-        f"({args.shared_prefix} shared), "
+        f"({shared} shared), "
         f"{' '.join(args.set) or 'default settings'}"
     )
     print(HEADER, flush=True)
-    out = lambda s: print(s, flush=True)  # noqa: E731
-    measure(engine, decodes, prompts, args.context, args.iters, out, args.shared_prefix)
+    measure(
+        engine, decodes, prompts, args.context, args.iters, lambda s: print(s, flush=True), shared
+    )
 
 
 if __name__ == "__main__":

@@ -34,10 +34,12 @@ DEFAULT_FEW_ROW_GEMM_ROWS = 16  # at 64 rows cuBLAS is faster on the H200
 # docs/perf-log/2026-12-02-session-14.md; 80-128: 2026-12-06-session-27.md), and a step of
 # 64 decodes beside a short prompt (the 80-token graph) takes 0.34 ms less. Its tallest x
 # tile is 128 rows (kernels/skinny_gemm.TILE_ROWS); up to 512 rows it takes them in blocks
-# of 128, each block reading the weight tile again (from L2 when the blocks run together):
-# not yet timed against torch._scaled_mm there, so the default stays at one tile
+# of 128, slower than torch._scaled_mm at every projection from 144 to 400 rows (H100,
+# docs/perf-log/2026-12-07-session-34.md), so the default stays at one tile
 DEFAULT_FEW_ROW_FP8_ROWS = 128
 MAX_FEW_ROW_FP8_ROWS = 512  # kernels/skinny_gemm.MAX_ROWS (this module imports no torch)
+# settings of how the Triton attention backend launches its kernels: refused with another
+TRITON_SETTINGS = ("page_prefetch", "flat_attention_grid", "split_mixed_attention")
 DEFAULT_CODEC_GRAPH_BATCH = 64  # a step rarely completes more windows
 # With graphs, a step with a prompt in it replays a mixed graph, slower than the decode graph
 # for the same decodes: admitting at most every 4th step while streams run gave 16% more
@@ -139,17 +141,12 @@ def check_overrides(overrides: Mapping[str, object], device: str) -> None:
             and (not fused or backend in ("torch", "varlen", "flash")),
             "fused_decode needs fused_ops and the Triton attention backend",
         ),
-        (
-            o.get("page_prefetch") is True and backend in ("torch", "varlen", "flash"),
-            "page_prefetch is a setting of the Triton attention backend",
-        ),
-        (
-            o.get("flat_attention_grid") is True and backend in ("torch", "varlen", "flash"),
-            "flat_attention_grid is a setting of the Triton attention backend",
-        ),
-        (
-            o.get("split_mixed_attention") is True and backend in ("torch", "varlen", "flash"),
-            "split_mixed_attention is a setting of the Triton attention backend",
+        *(
+            (
+                o.get(name) is True and backend in ("torch", "varlen", "flash"),
+                f"{name} is a setting of the Triton attention backend",
+            )
+            for name in TRITON_SETTINGS
         ),
         (
             o.get("pdl") is True and (cpu or not fused),
@@ -235,7 +232,7 @@ def resolve(config, model_config, device) -> ExecutionPlan:
     backend = o.get("attention_backend", "triton" if cuda else "torch")
     fused = o.get("fused_ops", cuda)
     triton = backend == "triton"
-    for name in ("page_prefetch", "flat_attention_grid", "split_mixed_attention"):
+    for name in TRITON_SETTINGS:
         if o.get(name) is True and not triton:
             raise ConfigError(f"{name} is a setting of the Triton attention backend, not {backend}")
     item = resolve_dtype(config.dtype, device).itemsize  # bytes of an activation

@@ -14,8 +14,9 @@ it up to 128 rows by default (the plan's few_row_fp8_rows). More rows (up to 512
 default token budget) go in blocks of 128, each block its own programs over the same weight
 tile (adjacent, so the tile is read from DRAM about once): a lever for the mixed steps of
 128 to 256 streams, since at 128 rows torch._scaled_mm took 14 and 27 us for o and down
-against our 10 and 15 (H200, docs/perf-log/2026-12-06-session-27.md). Not yet timed above
-128 rows, so not a default there.
+against our 10 and 15 (H200, docs/perf-log/2026-12-06-session-27.md). Timed from 144 to 400
+rows it lost to torch._scaled_mm at every projection (H100, 2026-12-07-session-34.md), so
+the engine keeps it to 128 rows by default.
 Tensors in, tensor out; the reference is `F.linear`.
 """
 

@@ -120,6 +120,18 @@ def test_bucket_cost_shares_a_prefix_of_pages_among_the_decodes(tiny_ckpt):
     assert len(set(slots)) == t and not set(slots // bs) & set(prefix)
 
 
+@pytest.mark.parametrize("shared", ["10", "48", "-16"])
+def test_bucket_cost_refuses_a_shared_prefix_it_cannot_lay_out(tiny_ckpt, monkeypatch, shared):
+    """Part of a page, more than the context or negative: the run would time another layout
+    than asked, so it stops first, saying what it takes."""
+    from benchmarks import bucket_cost
+
+    argv = ["bucket_cost.py", "--ckpt", str(tiny_ckpt), "--device", "cpu", "--context", "40"]
+    monkeypatch.setattr("sys.argv", [*argv, "--shared-prefix", shared])
+    with pytest.raises(SystemExit, match=f"--shared-prefix {shared}: whole pages of 16 "):
+        bucket_cost.main()
+
+
 def test_bucket_cost_replays_the_graph_serving_would_pick(tiny_ckpt, monkeypatch):
     """The graph path of benchmarks/bucket_cost.py, with the runner's graphs stood in for (no
     GPU here): decode-only batches ask for the decode graph, then the mixed graph of the same

@@ -259,6 +259,26 @@ def test_a_steps_events_leave_the_engine_process_in_one_message():
     host.encoder_pool.shutdown()
 
 
+def _profile_of_one_request(client, out) -> str:
+    """Starts `client`, runs one request to its end, waits for the profile file the engine
+    writes to `out`, stops the client; the file's text."""
+    client.start()
+    try:
+        finished = threading.Event()
+
+        def sink(o):
+            return (isinstance(o, BaseException) or o.finished) and finished.set()
+
+        client.submit("p", "profile me", None, SamplingParams(max_rows=20), sink)
+        assert finished.wait(60)
+        deadline = time.monotonic() + 10
+        while not out.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return out.read_text()
+    finally:
+        client.stop()
+
+
 def test_the_engine_process_profiles_busy_steps_on_request(model_cache, tmp_path, monkeypatch):
     """CLONECAST_PROFILE=SKIP,STEPS,FILE: torch.profiler tables of STEPS busy steps of the
     engine process (how the served step is diagnosed on a GPU)."""
@@ -277,22 +297,8 @@ def test_the_engine_process_profiles_busy_steps_on_request(model_cache, tmp_path
     assert ServiceSettings.from_env().profile == (0, 3, str(out), "python", 200)
     spec = EngineSpec(None, EngineConfig(device="cpu"), cache_dir=model_cache, profile=profile)
     process = EngineClient.in_process(spec)
-    process.start()
-    try:
-        finished = threading.Event()
-
-        def sink(o):
-            return (isinstance(o, BaseException) or o.finished) and finished.set()
-
-        process.submit("p", "profile me", None, SamplingParams(max_rows=20), sink)
-        assert finished.wait(60)
-        deadline = time.monotonic() + 10
-        while not out.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        text = out.read_text()
-        assert "Self CPU" in text and "5 busy steps of the engine in " in text
-    finally:
-        process.stop()
+    text = _profile_of_one_request(process, out)
+    assert "Self CPU" in text and "5 busy steps of the engine in " in text
     assert not process.alive
 
 
@@ -305,23 +311,9 @@ def test_an_engine_thread_profiles_busy_steps_too(model_cache, tmp_path):
     out = tmp_path / "profile.txt"
     engine = Engine.from_pretrained(None, EngineConfig(device="cpu"), cache_dir=model_cache)
     client = EngineClient.in_thread(engine, profile=(1, 4, str(out), "python", 1))
-    client.start()
-    try:
-        finished = threading.Event()
-
-        def sink(o):
-            return (isinstance(o, BaseException) or o.finished) and finished.set()
-
-        client.submit("t", "profile me", None, SamplingParams(max_rows=20), sink)
-        assert finished.wait(60)
-        deadline = time.monotonic() + 10
-        while not out.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        text = out.read_text()
-        assert "-- by tottime --" in text and "4 busy steps of the engine in " in text
-        assert "CPU time per thread" in text and "clonecast-engine" in text
-    finally:
-        client.stop()
+    text = _profile_of_one_request(client, out)
+    assert "-- by tottime --" in text and "4 busy steps of the engine in " in text
+    assert "CPU time per thread" in text and "clonecast-engine" in text
 
 
 def test_after_stop_requests_fail_clearly_and_stop_again_is_harmless(model_cache):
