@@ -1,9 +1,11 @@
 """Host work of one engine step, by part, on any machine (the embedded default model, or
 `--model` such as the full-size checkpoint on a GPU): C clone requests decoding together
 (closed loop, audio on), each part of `step()` timed with wrappers. On a GPU "wait for rows"
-is the engine thread idle for the GPU: near zero means the step is host-bound.
+is the engine thread idle for the GPU: near zero means the step is host-bound. With
+`--simulate MS` the GPU work is replaced by waits (benchmarks/sim_server.py), so any machine
+times the host work alone; the engine emits finishes and audio only, as served.
 
-    python benchmarks/host_cost.py --concurrency 256 [--gc-tuned] [--model DIR]
+    python benchmarks/host_cost.py --concurrency 256 [--gc-tuned] [--model DIR] [--simulate 0]
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ PARTS = [
     ("runner", "forward", "eager forward", "inner"),
     (CapturedGraph, "replay", "backbone graph launch", "inner"),
     (CapturedSampler, "replay", "sampler graph launch", "inner"),
-    ("scheduler", "on_chunk_done", "on_chunk_done", "host"),
+    ("scheduler", "on_launched", "on_launched", "host"),
     (PendingStep, "result", "wait for rows", "wait"),
     ("", "_append_rows", "append rows", "host"),
     ("audio", "submit", "audio windows + codec launch", "host"),
@@ -66,6 +68,13 @@ def main() -> None:
     ap.add_argument("--model", help="checkpoint dir (default: the embedded default model)")
     ap.add_argument("--max-num-seqs", type=int, help="default: the concurrency")
     ap.add_argument("--cprofile", help="write cProfile's top functions of the timed steps here")
+    ap.add_argument(
+        "--simulate",
+        metavar="STEP_MS",
+        type=float,
+        help="replace the GPU work by waits of STEP_MS a step and none for the codec "
+        "(benchmarks/sim_server.py): the host work alone, on any machine",
+    )
     args = ap.parse_args()
     c = args.concurrency
     engine = Engine.from_pretrained(
@@ -74,8 +83,13 @@ def main() -> None:
             device=default_device(),
             max_num_seqs=args.max_num_seqs or c,
             max_num_batched_tokens=max(512, c),
+            row_events=False,  # as the service configures its engine
         ),
     )
+    if args.simulate is not None:
+        from benchmarks.sim_server import simulate
+
+        simulate(engine, args.simulate, 0.0, 0.0)
     reference = engine.encode_reference(reference_wav(4.0), "A reference sentence.")
     if args.gc_tuned:
         gc.collect()
@@ -112,12 +126,14 @@ def main() -> None:
             if args.cprofile:
                 profiler = cProfile.Profile()
                 profiler.enable()
-            rows, t0 = 0, time.perf_counter()
+            rows, t0 = engine.stats.num_rows_generated, time.perf_counter()
+            cpu0 = time.thread_time()
         for out in engine.step():
-            rows += len(out.new_rows)
             if out.finished:
                 add()
     wall = (time.perf_counter() - t0) / args.steps * 1e3
+    cpu = (time.thread_time() - cpu0) / args.steps * 1e3
+    rows = engine.stats.num_rows_generated - rows
     if profiler is not None:
         profiler.disable()
         text = io.StringIO()
@@ -125,7 +141,8 @@ def main() -> None:
         Path(args.cprofile).write_text(text.getvalue())
     print(
         f"\nC = {c}, {engine.runner.device}, per step over {args.steps} steps "
-        f"(gc tuned: {args.gc_tuned}): {wall:.3f} ms a step, {rows / args.steps:.1f} rows"
+        f"(gc tuned: {args.gc_tuned}): {wall:.3f} ms a step ({cpu:.3f} ms of the thread's "
+        f"CPU), {rows / args.steps:.1f} rows"
     )
     outer = 0.0
     for _, _, label, kind in PARTS:

@@ -123,10 +123,11 @@ class AudioOutput:
         windows: list[ChunkWindow] = []
         owners: list[Request] = []
         failed: dict[str, str] = {}
+        streams = self.streams
         for request, _, reason in updates:
-            stream = self.streams.get(request.request_id)
-            if stream is None:
-                continue
+            stream = streams.get(request.request_id)
+            if stream is None or (reason is None and len(request.output_rows) < stream.rows_due):
+                continue  # no chunk is ready: the common case, checked without a call
             try:
                 window = stream.next_window(request.output_rows, finished=reason is not None)
             except Exception as exc:

@@ -28,13 +28,14 @@ from engine.loader import load_model, read_config, refuse_hugging_faces_kernels,
 from engine.plan import ExecutionPlan, resolve_dtype
 from engine.plan import resolve as resolve_plan
 from engine.prompt import AudioRow, TextChecker, build_prompt
-from engine.request import FinishReason, Request
+from engine.request import FinishReason, Request, RequestStatus
 from engine.runner import ModelRunner, PendingStep, auto_num_kv_blocks
 from engine.scheduler import Scheduler
 from engine.stats import READBACK, EngineStats, Observations, StepCounters, StepShape
 from engine.tokenizer import HiggsTokenizer
 
 log = logging.getLogger("clonecast.engine")
+_FINISHED = RequestStatus.FINISHED
 
 
 @dataclass(frozen=True)
@@ -268,9 +269,9 @@ class Engine:
             if not sched.chunks:
                 return None
             now = time.monotonic()
-            for chunk in sched.chunks:
+            for chunk in sched.admitted:  # a running request has its slot and first step
                 request = chunk.request
-                if not self.runner.has_request(request):  # newly admitted: its slot
+                if not self.runner.has_request(request):  # new (not back from preemption)
                     self.runner.add_request(request)
                 if request.first_scheduled_time is None:
                     request.first_scheduled_time = now
@@ -308,11 +309,13 @@ class Engine:
             self.scheduler.on_rows_read(sampled.requests)
             updates = self._append_rows(sampled)
             decoding, failed = self.audio.submit(updates)
-            outputs = [
-                self._failed(r, failed[r.request_id])
-                for r, _, _ in updates
-                if r.request_id in failed
-            ]
+            outputs = []
+            if failed:
+                outputs = [
+                    self._failed(r, failed[r.request_id])
+                    for r, _, _ in updates
+                    if r.request_id in failed
+                ]
             if not self.config.row_events:
                 updates = [u for u in updates if u[2] is not None]  # finishes only
             outputs += [
@@ -334,7 +337,7 @@ class Engine:
         now = time.monotonic()
         codes, dones = sampled.codes.tolist(), sampled.done.tolist()
         for request, row_list, done in zip(sampled.requests, codes, dones, strict=True):
-            if request.is_finished:
+            if request.status is _FINISHED:  # is_finished, without a call for every row
                 continue  # ended (finished, aborted) while this row was in flight: dropped
             row = tuple(row_list)
             request.output_rows.append(row)

@@ -27,7 +27,8 @@ class FinishReason(enum.StrEnum):
     ERROR = "error"  # its audio could not be decoded (other requests are unaffected)
 
 
-@dataclass(eq=False)
+# slots: the scheduler, runner and engine read these fields for every request every step
+@dataclass(eq=False, slots=True)
 class Request:
     request_id: str
     prompt: Prompt

@@ -406,10 +406,14 @@ class ModelRunner:
         chunks = sched.chunks
         num = len(chunks)
         fields = []
+        table_lists, table_lens = self._table_lists, self._table_lens
         for chunk in chunks:
             req = chunk.request
-            self._sync_block_table(req)
-            fields.append((chunk.start, chunk.num_tokens, req.slot, chunk.samples, req.prompt_len))
+            slot, blocks = req.slot, req.block_ids
+            # the slot's table row is stale only after admission or a new block (1 step in 16)
+            if table_lists[slot] is not blocks or table_lens[slot] != len(blocks):
+                self._sync_block_table(req)
+            fields.append((chunk.start, chunk.num_tokens, slot, chunk.samples, req.prompt_len))
         cols = np.array(fields, np.int64).reshape(num, 5).T
         starts, ns, slots, prompt_lens = cols[0], cols[1], cols[2], cols[4]
         samples = cols[3].astype(bool)
@@ -450,20 +454,19 @@ class ModelRunner:
         return t, r
 
     def _sync_block_table(self, req: Request) -> None:
-        """Keeps the slot's block-table row equal to the request's block list: rewritten when
-        the list is a new one (admission, recompute), extended when blocks were appended."""
+        """Makes the slot's block-table row equal to the request's block list (which
+        `_prepare` found changed): rewritten when the list is a new one (admission,
+        recompute), extended when blocks were appended."""
         slot, blocks = req.slot, req.block_ids
         if self._table_lists[slot] is not blocks:
             row = self._tables[slot]
             row[: len(blocks)] = blocks
             row[len(blocks) :] = NULL_BLOCK
             self._table_lists[slot] = blocks
-        elif self._table_lens[slot] != len(blocks):
+        else:
             self._tables[slot, self._table_lens[slot] : len(blocks)] = blocks[
                 self._table_lens[slot] :
             ]
-        else:
-            return  # unchanged since the last step: the common case for a decode row
         self._table_lens[slot] = len(blocks)
 
     def _fill_inputs(self, req: Request, start: int, end: int, ids_out, rows_out) -> None:

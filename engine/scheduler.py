@@ -34,16 +34,20 @@ class ScheduledChunk:
     start: int  # first position computed this step (= request.num_computed before the step)
     num_tokens: int
     # Whether this chunk reaches the request's last input, so a row is sampled.
-    samples: bool = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.samples = self.start + self.num_tokens == self.request.num_positions
+    samples: bool
 
 
 @dataclass
 class SchedulerOutput:
+    # the running requests' chunks first, then those of requests admitted this step
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    num_running: int = 0  # chunks of requests that were running before the step
+
+    @property
+    def admitted(self) -> list[ScheduledChunk]:
+        """The chunks of requests admitted this step (new, or back after preemption)."""
+        return self.chunks[self.num_running :]
 
     @property
     def num_tokens(self) -> int:
@@ -163,10 +167,10 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
-        running = len(out.chunks)
+        out.num_running = len(out.chunks)
         if not out.preempted and not self._holds_waiting():
             self._schedule_waiting(out, budget)
-        admitted = len(out.chunks) > running
+        admitted = len(out.chunks) > out.num_running
         self._steps_since_admission = 0 if admitted else self._steps_since_admission + 1
         return out
 
@@ -183,23 +187,29 @@ class Scheduler:
         return True
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        # Runs for every running request every step (256 at full load): no property or
+        # call per request beyond these two helpers and the chunk's construction.
+        running, chunks = self.running, out.chunks
         i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
+        while i < len(running) and budget > 0:
+            request = running[i]
             n = self._running_chunk(request, budget)
             if n == 0:
                 i += 1
                 continue
+            start = request.num_computed
             need = self._blocks_short(request, n)
             if need > 0:
                 while need > self.blocks.num_free_blocks:
-                    victim = self.running[-1]
+                    victim = running[-1]
                     self._preempt(victim)
                     out.preempted.append(victim)
                     if victim is request:
                         return budget
                 request.block_ids += self.blocks.allocate(need)
-            out.chunks.append(ScheduledChunk(request, request.num_computed, n))
+            # it samples when it reaches the request's last input (prompt and rows so far)
+            last = request.prompt_len + len(request.output_rows) + request.num_inflight
+            chunks.append(ScheduledChunk(request, start, n, start + n == last))
             budget -= n
             i += 1
         return budget
@@ -227,7 +237,7 @@ class Scheduler:
                 request.slot = self._free_slots.pop()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            out.chunks.append(ScheduledChunk(request, start, n))
+            out.chunks.append(ScheduledChunk(request, start, n, start + n == request.num_positions))
             budget -= n
 
     def _prefix_hit(self, request: Request) -> list[int]:
@@ -254,8 +264,11 @@ class Scheduler:
         """A step was launched: each chunk's computed count and prompt blocks advance, and the
         row each sampling chunk will produce counts as in flight until `on_rows_read`."""
         for chunk in sched.chunks:
-            self.on_chunk_done(chunk)
-            chunk.request.num_inflight += chunk.samples
+            request = chunk.request
+            request.num_computed = chunk.start + chunk.num_tokens
+            if chunk.start < request.prompt_len:  # a decode chunk completes no prompt block
+                self._publish_prompt_blocks(chunk)
+            request.num_inflight += chunk.samples
 
     @staticmethod
     def on_rows_read(requests: list[Request]) -> None:
@@ -268,13 +281,10 @@ class Scheduler:
         """A launched step's rows could not be read (the request is ended with an error)."""
         request.num_inflight = 0
 
-    def on_chunk_done(self, chunk: ScheduledChunk) -> None:
-        """Advances the computed count and publishes newly completed prompt blocks."""
+    def _publish_prompt_blocks(self, chunk: ScheduledChunk) -> None:
+        """Counts a computed prompt chunk and publishes the prompt blocks it completed."""
         request = chunk.request
-        request.num_computed = chunk.start + chunk.num_tokens
         prompt_len = request.prompt_len
-        if chunk.start >= prompt_len:
-            return  # generated rows only: no prompt block completes
         prefill = max(0, min(request.num_computed, prompt_len) - chunk.start)
         self.num_prefill_tokens_computed += prefill
         bs = self.blocks.block_size

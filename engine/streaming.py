@@ -80,6 +80,13 @@ class AudioStream:
         self.emitted = 0
         self.index = 0
         self.done = False
+        self.rows_due = self._rows_due()
+
+    def _rows_due(self) -> int:
+        """Generated rows that make the next chunk (not the last) ready."""
+        cfg = self.config
+        want = cfg.first_chunk_frames if self.index == 0 else cfg.chunk_frames
+        return self.emitted + want + cfg.holdback_frames + ROW_LAG
 
     def next_window(
         self, rows: Sequence[AudioRow] | np.ndarray, finished: bool
@@ -91,11 +98,10 @@ class AudioStream:
         if finished:
             end, holdback = max(self.emitted, final_num_frames(len(rows))), 0
         else:
-            available = max(0, len(rows) - ROW_LAG)
-            want = cfg.first_chunk_frames if self.index == 0 else cfg.chunk_frames
-            if available - self.emitted < want + cfg.holdback_frames:
+            if len(rows) < self.rows_due:
                 return None
-            end, holdback = self.emitted + want, cfg.holdback_frames
+            end = self.rows_due - cfg.holdback_frames - ROW_LAG
+            holdback = cfg.holdback_frames
         start = self.emitted
         context = min(cfg.left_context_frames, start)
         if end > start:
@@ -106,4 +112,5 @@ class AudioStream:
             self.request_id, self.index, start, end, context, holdback, codes, finished
         )
         self.emitted, self.index, self.done = end, self.index + 1, finished
+        self.rows_due = self._rows_due()
         return window

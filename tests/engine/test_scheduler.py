@@ -68,10 +68,11 @@ class Sim:
         self.history.append(out)
         self.num_preempted += len(out.preempted)
         sampling = [c for c in out.chunks if c.samples]
-        for chunk in out.chunks:
-            self.sched.on_chunk_done(chunk)
+        self.sched.on_launched(out)
         for chunk in out.chunks:
             assert chunk.request.num_computed == chunk.start + chunk.num_tokens
+            assert chunk.request.num_inflight == chunk.samples
+        self.sched.on_rows_read([c.request for c in sampling])  # read back at once
         for chunk in sampling:
             req = chunk.request
             req.output_rows.append(fake_row(len(req.output_rows)))
