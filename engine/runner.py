@@ -421,7 +421,11 @@ class ModelRunner:
         np.cumsum(ns, out=qsl[1 : num + 1])
         t = int(qsl[num])
         seq_lens[:num] = starts + ns
-        tables[:num] = self._tables[slots]
+        # Only the table columns the sequences reach (a few dozen of max_blocks_per_seq): each
+        # attention backend reads a sequence's pages below its length only, masked, and the
+        # columns past them keep ids of earlier steps, every one a valid block.
+        width = -(-int(seq_lens[:num].max()) // bs)
+        tables[:num, :width] = self._tables[slots, :width]
 
         decode = (ns == 1) & (starts >= prompt_lens) & samples
         at, pos, dslots = qsl[:num][decode], starts[decode], slots[decode]
