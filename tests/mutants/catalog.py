@@ -376,4 +376,23 @@ MUTANTS = (
         ("tests/kernels/test_sm90_compile.py::test_a_float8_cache_is_read_without_byte_loads",),
         "a float8 KV cache's attention reads its V operand a byte at a time from shared memory",
     ),
+    Mutant(
+        "audio-window-a-row-late",
+        "engine/audio_output.py",
+        "len(request.output_rows) < stream.rows_due",
+        "len(request.output_rows) <= stream.rows_due",
+        ("tests/engine/test_engine_audio.py::test_chunks_stream_with_exact_sizes_and_timestamps",),
+        "every chunk, the first included, leaves a step (about 8 ms at 256 streams) late",
+    ),
+    Mutant(
+        "block-table-column-short",
+        "engine/runner.py",
+        "width = -(-int(seq_lens[:num].max()) // bs)",
+        "width = int(seq_lens[:num].max()) // bs",
+        (
+            "tests/engine/test_parity.py::test_single_prefill_and_decode",
+            "tests/engine/test_parity.py::test_greedy_matches_full_recompute_loop",
+        ),
+        "a sequence's newest KV page is read through a stale table entry: garbled speech",
+    ),
 )
