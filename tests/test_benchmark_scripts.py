@@ -161,3 +161,25 @@ def test_bucket_cost_replays_the_graph_serving_would_pick(tiny_ckpt, monkeypatch
     assert padded == [(8, 16, 8, 9), (8, 16, 8, 9), (20, 32, 9, 9)]
     assert [r[3] for r in rows] == ["decode 16", "mixed 16", "mixed 32"]
     assert len(replays) == 3 * (2 + 5) and len(lines) == 3  # untimed twice, five repeats
+
+
+def test_host_cost_simulated_times_the_served_host_work(monkeypatch, capsys):
+    """benchmarks/host_cost.py --simulate: the real engine steps with the GPU's work
+    replaced by waits, so the table is the host's work alone; every request keeps decoding
+    (rows a step near the concurrency) and each part the served engine runs has time."""
+    import re
+    import sys
+
+    from benchmarks import host_cost
+
+    monkeypatch.setattr(
+        sys, "argv", ["host_cost.py", "--concurrency", "8", "--simulate", "0", "--steps", "30"]
+    )
+    host_cost.main()
+    out = capsys.readouterr().out
+    rows = float(re.search(r"([\d.]+) rows", out).group(1))
+    assert 6 <= rows <= 8  # one row a step per request, a few between finishing and refilling
+    for part in ("schedule", "prepare inputs", "append rows", "audio windows + codec launch"):
+        ms = float(re.search(rf"^{re.escape(part)}\s+([\d.]+) ms", out, re.M).group(1))
+        assert ms > 0, part
+    assert float(re.search(r"eager forward\s+([\d.]+) ms", out).group(1)) == 0.0  # simulated
