@@ -421,9 +421,10 @@ class ModelRunner:
         np.cumsum(ns, out=qsl[1 : num + 1])
         t = int(qsl[num])
         seq_lens[:num] = starts + ns
-        # Only the table columns the sequences reach (a few dozen of max_blocks_per_seq): each
-        # attention backend reads a sequence's pages below its length only, masked, and the
-        # columns past them keep ids of earlier steps, every one a valid block.
+        # Only the table columns the sequences reach (a few dozen of max_blocks_per_seq): the
+        # Triton kernels read a sequence's page ids below its length only, the torch and
+        # packed backends up to the step's longest sequence with the rest masked, and the
+        # columns past what is staged keep ids of earlier steps, every one a valid block.
         width = -(-int(seq_lens[:num].max()) // bs)
         tables[:num, :width] = self._tables[slots, :width]
 

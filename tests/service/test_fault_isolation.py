@@ -71,7 +71,9 @@ def test_a_failure_in_one_requests_part_of_a_step_ends_only_that_request(threade
     next_window = AudioStream.next_window
 
     def failing_for_poison(self, rows, finished):
-        if "/poison/" in self.request_id and len(rows) > 24:  # mid-stream, after first audio
+        # next_window runs only when a chunk is due, so this fires at the second chunk (or
+        # the last): mid-stream, after first audio
+        if "/poison/" in self.request_id and len(rows) > 24:
             raise ValueError("planted step fault")
         return next_window(self, rows, finished)
 
