@@ -337,7 +337,7 @@ class Engine:
         now = time.monotonic()
         codes, dones = sampled.codes.tolist(), sampled.done.tolist()
         for request, row_list, done in zip(sampled.requests, codes, dones, strict=True):
-            if request.status is _FINISHED:  # is_finished, without a call for every row
+            if request.status is _FINISHED:  # `request.is_finished`, without a call a row
                 continue  # ended (finished, aborted) while this row was in flight: dropped
             row = tuple(row_list)
             request.output_rows.append(row)

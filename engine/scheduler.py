@@ -207,7 +207,8 @@ class Scheduler:
                     if victim is request:
                         return budget
                 request.block_ids += self.blocks.allocate(need)
-            # it samples when it reaches the request's last input (prompt and rows so far)
+            # it samples when it reaches the request's last input: `request.num_positions`,
+            # spelled out here to spare the property call per running request per step
             last = request.prompt_len + len(request.output_rows) + request.num_inflight
             chunks.append(ScheduledChunk(request, start, n, start + n == last))
             budget -= n
