@@ -152,7 +152,8 @@ class Scheduler:
     @staticmethod
     def _running_chunk(request: Request, budget: int) -> int:
         """Positions a running request computes next (0: skip it; its last row is in
-        flight and it finishes when that row is read). Runs for every request every step."""
+        flight and it finishes when that row is read). `_schedule_running` spells this and
+        `_blocks_short` out; tests/engine/test_scheduler.py holds the two to agree."""
         rows = len(request.output_rows) + request.num_inflight
         if rows >= request.params.max_rows:
             return 0
@@ -187,29 +188,34 @@ class Scheduler:
         return True
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        # Runs for every running request every step (256 at full load): no property or
-        # call per request beyond these two helpers and the chunk's construction.
-        running, chunks = self.running, out.chunks
+        # Runs for every running request every step (256 at full load): `_running_chunk` and
+        # `_blocks_short` spelled out, with no call per request but the chunk's construction.
+        running, chunks, blocks = self.running, out.chunks, self.blocks
+        bs = blocks.block_size
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
-            n = self._running_chunk(request, budget)
-            if n == 0:
+            rows = len(request.output_rows) + request.num_inflight
+            if rows >= request.params.max_rows:  # its last row is in flight: skip it
                 i += 1
                 continue
             start = request.num_computed
-            need = self._blocks_short(request, n)
+            last = request.prompt_len + rows  # it samples when a chunk reaches this position
+            n = last - start
+            if n <= 0:
+                i += 1
+                continue
+            if n > budget:
+                n = budget
+            need = -(-(start + n) // bs) - len(request.block_ids)
             if need > 0:
-                while need > self.blocks.num_free_blocks:
+                while need > blocks.num_free_blocks:
                     victim = running[-1]
                     self._preempt(victim)
                     out.preempted.append(victim)
                     if victim is request:
                         return budget
-                request.block_ids += self.blocks.allocate(need)
-            # it samples when it reaches the request's last input: `request.num_positions`,
-            # spelled out here to spare the property call per running request per step
-            last = request.prompt_len + len(request.output_rows) + request.num_inflight
+                request.block_ids += blocks.allocate(need)
             chunks.append(ScheduledChunk(request, start, n, start + n == last))
             budget -= n
             i += 1

@@ -63,7 +63,11 @@ class Sim:
         return request
 
     def step(self) -> SchedulerOutput:
+        # short_of_blocks is the schedule's dry run (the engine reads rows in flight first
+        # when it says so): it must foresee exactly the steps that preempt
+        short = self.sched.short_of_blocks()
         out = self.sched.schedule()
+        assert short == bool(out.preempted)
         self.check(out)
         self.history.append(out)
         self.num_preempted += len(out.preempted)

@@ -337,6 +337,18 @@ MUTANTS = (
         " decode step 3% slower at 32 (H100)",
     ),
     Mutant(
+        "running-chunk-over-budget",
+        "engine/scheduler.py",
+        "            if n > budget:\n                n = budget\n",
+        "",
+        (
+            "tests/engine/test_scheduler.py::"
+            "test_chunked_prefill_respects_budget_and_mixes_with_decode",
+        ),
+        "a resumed request's whole recompute goes into one step past the token budget: a"
+        " step longer than any captured graph",
+    ),
+    Mutant(
         "admission-never-waits",
         "engine/scheduler.py",
         "if not self.running or self._steps_since_admission >= self.admission_wait_steps:",
