@@ -450,11 +450,11 @@ def _emit_early(emit, outputs: list[RequestOutput]) -> tuple[list, Exception | N
 
 
 def _shape(sched) -> StepShape:
-    """prefill, decode or mixed (READBACK when nothing is launched). A decode chunk feeds one
-    sampled row; a request recomputed after preemption prefills again."""
+    """prefill, decode or mixed (READBACK when nothing is launched): by the scheduler's count
+    of decode chunks (`SchedulerOutput.num_decodes`)."""
     if not sched.chunks:
         return READBACK
-    decodes = sum(c.num_tokens == 1 and c.start >= c.request.prompt_len for c in sched.chunks)
+    decodes = sched.num_decodes
     kind = "decode" if decodes == len(sched.chunks) else "mixed" if decodes else "prefill"
     return StepShape(kind, len(sched.chunks), sched.num_tokens)
 

@@ -43,15 +43,16 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     num_running: int = 0  # chunks of requests that were running before the step
+    # Counted as the chunks are made (a loop over them per step costs as much again):
+    num_tokens: int = 0  # positions computed, every chunk's
+    # chunks that feed one sampled row (one position past the prompt); a request recomputed
+    # after preemption prefills again
+    num_decodes: int = 0
 
     @property
     def admitted(self) -> list[ScheduledChunk]:
         """The chunks of requests admitted this step (new, or back after preemption)."""
         return self.chunks[self.num_running :]
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
 
 
 class Scheduler:
@@ -170,7 +171,8 @@ class Scheduler:
         budget = self._schedule_running(out, budget)
         out.num_running = len(out.chunks)
         if not out.preempted and not self._holds_waiting():
-            self._schedule_waiting(out, budget)
+            budget = self._schedule_waiting(out, budget)
+        out.num_tokens = self.config.max_num_batched_tokens - budget
         admitted = len(out.chunks) > out.num_running
         self._steps_since_admission = 0 if admitted else self._steps_since_admission + 1
         return out
@@ -192,7 +194,7 @@ class Scheduler:
         # `_blocks_short` spelled out, with no call per request but the chunk's construction.
         running, chunks, blocks = self.running, out.chunks, self.blocks
         bs = blocks.block_size
-        i = 0
+        i = decodes = 0
         while i < len(running) and budget > 0:
             request = running[i]
             rows = len(request.output_rows) + request.num_inflight
@@ -214,26 +216,29 @@ class Scheduler:
                     self._preempt(victim)
                     out.preempted.append(victim)
                     if victim is request:
+                        out.num_decodes = decodes
                         return budget
                 request.block_ids += blocks.allocate(need)
             chunks.append(ScheduledChunk(request, start, n, start + n == last))
+            decodes += n == 1 and start >= request.prompt_len
             budget -= n
             i += 1
+        out.num_decodes = decodes
         return budget
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
         while self.waiting and budget > 0:
             request = self.waiting[0]
             if request.slot is None and (
                 not self._free_slots or len(self.running) >= self.config.max_num_seqs
             ):
-                return
+                return budget
             cached = self._prefix_hit(request)
             start = len(cached) * self.blocks.block_size
             n = min(request.num_positions - start, budget)
             num_new = self.blocks.blocks_needed(start + n) - len(cached)
             if not self.blocks.can_take(cached, num_new):
-                return  # admission control: wait until blocks free up
+                return budget  # admission control: wait until blocks free up
             self.waiting.popleft()
             self.blocks.share(cached)
             request.block_ids = cached + self.blocks.allocate(num_new)
@@ -245,7 +250,9 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.chunks.append(ScheduledChunk(request, start, n, start + n == request.num_positions))
+            out.num_decodes += n == 1 and start >= request.prompt_len
             budget -= n
+        return budget
 
     def _prefix_hit(self, request: Request) -> list[int]:
         cached = self.blocks.match_prefix(request.block_hashes)

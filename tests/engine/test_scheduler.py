@@ -105,7 +105,10 @@ class Sim:
 
     def check(self, out: SchedulerOutput) -> None:
         sched, cfg = self.sched, self.config
+        assert out.num_tokens == sum(c.num_tokens for c in out.chunks)
         assert out.num_tokens <= cfg.max_num_batched_tokens
+        decodes = [c.num_tokens == 1 and c.start >= c.request.prompt_len for c in out.chunks]
+        assert out.num_decodes == sum(decodes)
         assert len(sched.running) <= cfg.max_num_seqs
         reqs = [c.request for c in out.chunks]
         assert len(reqs) == len({id(r) for r in reqs}), "a request got two chunks in one step"
