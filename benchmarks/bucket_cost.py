@@ -10,10 +10,11 @@ rest is the bucket's extra rows. So levers that change the mix (admitting prompt
 our fp8 GEMM above 64 rows) can be judged before they are built.
 
     python benchmarks/bucket_cost.py --ckpt DIR [--decodes 64,128,256] [--prompts 0,9,25,246]
-        [--context 400] [--set quantization=fp8] [--eager]
+        [--context 400] [--set quantization=fp8] [--eager] [--kernels FILE]
 
 GPU time through CUDA events around back-to-back replays; with `--eager` (or on the CPU) the
-figure is the forward's wall time, launch gaps included.
+figure is the forward's wall time, launch gaps included. `--kernels FILE` adds each shape's
+kernels side by side (torch.profiler, us a step), to say where a mixed step's extra time goes.
 """
 
 from __future__ import annotations
@@ -117,13 +118,59 @@ HEADER = "{:>7} {:>6} {:>6} {:>10} {:>9} {:>14} {:>14}".format(
 )
 
 
+def kernel_times(fn, device: torch.device, iters: int) -> dict[str, float]:
+    """Microseconds per call of `fn` in each kernel it runs (on the CPU: in each leaf op),
+    through torch.profiler over `iters` calls after one untimed call. Kernels of a replayed
+    graph are recorded one by one."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    with torch.inference_mode():
+        fn()
+        activity = ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU
+        with profile(activities=[activity], acc_events=True) as p:  # one cycle: no warning
+            for _ in range(iters):
+                fn()
+            if cuda:
+                torch.cuda.synchronize()
+    times = {}
+    for e in p.key_averages():
+        us = (e.self_device_time_total if cuda else e.self_cpu_time_total) / iters
+        if us > 0:
+            times[e.key] = times.get(e.key, 0.0) + us
+    return times
+
+
+def kernel_table(shapes: list[str], times: list[dict[str, float]], top: int = 0) -> str:
+    """Kernels down, shapes across, us per step; the kernels that take longest in any shape
+    first (`top`: only that many), a total last. Shows what one shape runs that another
+    does not, or runs slower."""
+    names = sorted({k for t in times for k in t}, key=lambda k: -max(t.get(k, 0) for t in times))
+    width = max(12, *(len(s) for s in shapes))
+    head = f"{'kernel (us a step)':<60}" + "".join(f" {s:>{width}}" for s in shapes)
+    lines = [head]
+    for k in names[:top] if top else names:
+        cells = "".join(f" {t.get(k, 0.0):>{width}.1f}" for t in times)
+        lines.append(f"{k[:60]:<60}{cells}")
+    lines.append(f"{'total':<60}" + "".join(f" {sum(t.values()):>{width}.1f}" for t in times))
+    return "\n".join(lines)
+
+
 def measure(
-    engine, decodes: list[int], prompts: list[int], context: int, iters: int, out=None, shared=0
+    engine,
+    decodes: list[int],
+    prompts: list[int],
+    context: int,
+    iters: int,
+    out=None,
+    shared=0,
+    kernels: dict | None = None,
 ):
     """Rows of (decodes, prompt, tokens, graph, ms): for each D the decode-only step first,
     then the same decodes through the mixed graph, then beside each prompt. `out`: called
     with each row's printed line as it is measured (a run cut by its time limit keeps what
-    it printed). `shared`: positions of context every decode shares (load_batch)."""
+    it printed). `shared`: positions of context every decode shares (load_batch).
+    `kernels`: filled with each shape's `kernel_times`, keyed "D+P graph"."""
     rows = []
     for d in decodes:
         shapes = [(0, False), (0, True)] + [(p, False) for p in sorted(set(prompts) - {0})]
@@ -134,6 +181,8 @@ def measure(
             if mixed and graph == "eager":
                 continue  # no graphs: the decode-only row already is this forward
             rows.append((d, p, sum(q_lens), graph, time_ms(fn, engine.device, iters)))
+            if kernels is not None:
+                kernels[f"{d}+{p} {graph}"] = kernel_times(fn, engine.device, iters)
             if out:
                 out(line(rows[-1], rows[_alone(rows, d)][4]))
     return rows
@@ -168,6 +217,12 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--eager", action="store_true", help="no graphs: the forward itself")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE")
+    ap.add_argument(
+        "--kernels",
+        metavar="FILE",
+        help="also each shape's kernels side by side (us a step, torch.profiler): the whole "
+        "table to FILE, its 25 longest rows printed",
+    )
     args = ap.parse_args()
     decodes = [int(x) for x in args.decodes.split(",")]
     prompts = [int(x) for x in args.prompts.split(",")]
@@ -200,9 +255,14 @@ def main() -> None:
         f"{' '.join(args.set) or 'default settings'}"
     )
     print(HEADER, flush=True)
-    measure(
-        engine, decodes, prompts, args.context, args.iters, lambda s: print(s, flush=True), shared
-    )
+    kernels = {} if args.kernels else None
+    out = lambda s: print(s, flush=True)  # noqa: E731
+    measure(engine, decodes, prompts, args.context, args.iters, out, shared, kernels)
+    if kernels:
+        shapes, times = list(kernels), list(kernels.values())
+        Path(args.kernels).write_text(kernel_table(shapes, times) + "\n")
+        print(f"\nkernels per shape (whole table: {args.kernels})")
+        print(kernel_table(shapes, times, top=25))
 
 
 if __name__ == "__main__":

@@ -92,6 +92,30 @@ def test_bucket_cost_times_every_shape_against_its_decode_only_twin(tiny_ckpt):
     assert np.all(pages >= 1)
 
 
+def test_bucket_cost_kernel_table_sets_the_shapes_side_by_side(tiny_ckpt):
+    """`--kernels`: each measured shape's kernel times (on the CPU: leaf ops, us a step), one
+    column a shape in the order measured; an op one shape runs and another does not reads
+    0.0 there, and each column's total is the sum of its own times."""
+    from benchmarks.bucket_cost import kernel_table, measure
+    from engine import Engine, EngineConfig
+
+    config = EngineConfig(max_num_seqs=9, max_num_batched_tokens=64, num_kv_blocks=256)
+    engine = Engine.from_pretrained(tiny_ckpt, config)
+    kernels = {}
+    measure(engine, decodes=[4], prompts=[5, 0], context=40, iters=2, kernels=kernels)
+    assert list(kernels) == ["4+0 eager", "4+5 eager"]
+    for times in kernels.values():
+        assert times and all(us > 0 for us in times.values())
+        assert any("mm" in name or "linear" in name for name in times)  # the projections
+
+    times = [{"x": 5.0, "y": 1.0}, {"y": 3.0}]
+    table = kernel_table(["a", "b"], times).splitlines()
+    assert table[1].split() == ["x", "5.0", "0.0"]  # longest in any shape first
+    assert table[2].split() == ["y", "1.0", "3.0"]
+    assert table[-1].split() == ["total", "6.0", "3.0"]
+    assert len(kernel_table(["a", "b"], times, top=1).splitlines()) == 3  # head, x, total
+
+
 def test_bucket_cost_shares_a_prefix_of_pages_among_the_decodes(tiny_ckpt):
     """`--shared-prefix`: every decode whose context holds the prefix reads its first pages
     from the same blocks (one voice through the prefix cache), its later pages and the slot
