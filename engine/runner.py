@@ -405,7 +405,8 @@ class ModelRunner:
         bs = self.config.block_size
         chunks = sched.chunks
         num = len(chunks)
-        fields = []
+        fields = []  # flat: numpy converts a flat list in half the time of one of tuples
+        put = fields.extend
         table_lists, table_lens = self._table_lists, self._table_lens
         for chunk in chunks:
             req = chunk.request
@@ -413,7 +414,7 @@ class ModelRunner:
             # the slot's table row is stale only after admission or a new block (1 step in 16)
             if table_lists[slot] is not blocks or table_lens[slot] != len(blocks):
                 self._sync_block_table(req)
-            fields.append((chunk.start, chunk.num_tokens, slot, chunk.samples, req.prompt_len))
+            put((chunk.start, chunk.num_tokens, slot, chunk.samples, req.prompt_len))
         cols = np.array(fields, np.int64).reshape(num, 5).T
         starts, ns, slots, prompt_lens = cols[0], cols[1], cols[2], cols[4]
         samples = cols[3].astype(bool)
