@@ -2,13 +2,14 @@
 
 Everything on the host is real (the event loop, sessions, the WebSocket protocol, the worker,
 the scheduler, step preparation, streaming windows, events), but a launched step's rows come
-back `--step-ms A+B*rows` after the previous step finished (random codes, no EOS: requests end
-at their length cap, as with random weights), and each codec batch takes `--codec-ms` on its
-own simulated stream and returns silence of the right length. Waits release the interpreter
-lock, as CUDA waits do. It shows, on a machine without a GPU, whether the service keeps C
-streams running. Its codec costs time but never slows the backbone, which the H200 is not
-like under load (there the codec shares the SMs: hiding its latency gained nothing on the
-GPU, +22-30% here), so it cannot predict codec levers.
+back `--step-ms A+B*rows` after the previous step finished (`A+B+M`: M more for a step that
+computes a prompt, the mixed graph's premium over the decode graph's), with random codes and
+no EOS (requests end at their length cap, as with random weights), and each codec batch takes
+`--codec-ms` on its own simulated stream and returns silence of the right length. Waits
+release the interpreter lock, as CUDA waits do. It shows, on a machine without a GPU, whether
+the service keeps C streams running. Its codec costs time but never slows the backbone,
+which the H200 is not like under load (there the codec shares the SMs: hiding its latency
+gained nothing on the GPU, +22-30% here), so it cannot predict codec levers.
 
 With `--engine-process` the engine runs in its own process, as the GPU server's does (the
 service's default), instead of a thread of the server's: the engine then shares the
@@ -51,7 +52,9 @@ class SimulatedStep:
         return SampledRows(self.requests, self.codes, np.zeros(len(self.requests), bool))
 
 
-def simulate(engine: Engine, step_a_ms: float, step_b_ms: float, codec_ms: float) -> None:
+def simulate(
+    engine: Engine, step_a_ms: float, step_b_ms: float, codec_ms: float, mixed_ms: float = 0.0
+) -> None:
     runner, rng = engine.runner, np.random.default_rng(0)
     gpu_free_at = [0.0]
 
@@ -60,6 +63,8 @@ def simulate(engine: Engine, step_a_ms: float, step_b_ms: float, codec_ms: float
         runner._prepare(sched)  # the real host work of a step
         sampling = [c.request for c in sched.chunks if c.samples]
         ms = step_a_ms + step_b_ms * sched.num_tokens
+        if sched.num_decodes < len(sched.chunks):  # a prompt: the mixed graph replays
+            ms += mixed_ms
         gpu_free_at[0] = max(gpu_free_at[0], time.perf_counter()) + ms / 1e3
         return SimulatedStep(sampling, gpu_free_at[0], rng)
 
@@ -100,17 +105,17 @@ class SimulatedEvent:
 # `--engine-process`: the service spawns its engine process, which imports this module as
 # `__mp_main__` before it loads the engine; the simulation's parameters come through the
 # environment, and the engine it loads is made a simulated one there.
-SIM_ENV = "CLONECAST_SIM_ENGINE"  # "A,B,CODEC_MS"
+SIM_ENV = "CLONECAST_SIM_ENGINE"  # "A,B,CODEC_MS,M"
 
 
-def _simulate_loaded_engines(a: float, b: float, codec_ms: float) -> None:
+def _simulate_loaded_engines(a: float, b: float, codec_ms: float, mixed_ms: float) -> None:
     import service.engine_host as host
 
     load = Engine.from_pretrained
 
     def load_simulated(*args, **kwargs):
         engine = load(*args, **kwargs)
-        simulate(engine, a, b, codec_ms)
+        simulate(engine, a, b, codec_ms, mixed_ms)
         # said where the server's log shows it: a run whose engine process missed this
         # would time the real CPU forward, not the simulated step
         print("engine process: GPU work simulated", file=sys.stderr)
@@ -132,7 +137,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--port", type=int, default=8790)
     ap.add_argument("--max-num-seqs", type=int, default=64)
-    ap.add_argument("--step-ms", default="3.7+0.029", help="A+B: A + B * tokens per step")
+    ap.add_argument(
+        "--step-ms",
+        default="3.7+0.029",
+        help="A+B: A + B * tokens per step; A+B+M: M more for a step with a prompt",
+    )
     ap.add_argument("--codec-ms", type=float, default=1.5, help="per codec batch")
     ap.add_argument(
         "--engine-process",
@@ -140,11 +149,11 @@ def main() -> None:
         help="the engine in its own process, as served on a GPU (default: a server thread)",
     )
     args = ap.parse_args()
-    a, b = (float(x) for x in args.step_ms.split("+"))
+    a, b, m = (float(x) for x in (args.step_ms.split("+") + ["0"])[:3])
     settings = ServiceSettings.from_env(port=args.port, max_num_seqs=args.max_num_seqs)
     engine = None  # --engine-process: the service loads it in its own process
     if args.engine_process:
-        os.environ[SIM_ENV] = f"{a},{b},{args.codec_ms}"  # read by the spawned engine process
+        os.environ[SIM_ENV] = f"{a},{b},{args.codec_ms},{m}"  # read by the spawned engine process
         settings = dataclasses.replace(settings, engine_process=True)
     else:
         config = EngineConfig(
@@ -155,10 +164,11 @@ def main() -> None:
             plan_overrides=settings.plan,  # CLONECAST_PLAN
         )
         engine = Engine.from_pretrained(None, config)
-        simulate(engine, a, b, args.codec_ms)
+        simulate(engine, a, b, args.codec_ms, m)
     where = "its own process" if args.engine_process else "a server thread"
     print(
-        f"simulated server on {args.port}: step {a}+{b}*tokens ms, engine in {where}",
+        f"simulated server on {args.port}: step {a}+{b}*tokens ms (+{m} with a prompt), "
+        f"engine in {where}",
         file=sys.stderr,
     )
     uvicorn.run(create_app(settings, engine), log_level="warning", **uvicorn_options(settings))

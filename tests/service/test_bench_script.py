@@ -75,6 +75,35 @@ def test_simulated_server_runs_the_same_protocol(tmp_path, model_cache, where):
     assert sum(phases.values()) <= start["window_step_ms"] + 1e-6
 
 
+def test_simulated_step_costs_the_mixed_premium_only_with_a_prompt():
+    """`--step-ms A+B+M`: a simulated step that computes a prompt chunk (it leaves the decode
+    graph) takes M ms more than one of decode chunks alone; both take A + B * tokens."""
+    import time
+    from types import SimpleNamespace
+
+    from benchmarks.sim_server import simulate
+    from engine.request import Request
+    from engine.scheduler import ScheduledChunk, SchedulerOutput
+
+    runner = SimpleNamespace(_next_staging_buffer=lambda: None, _prepare=lambda sched: None)
+    engine = SimpleNamespace(runner=runner, codec=SimpleNamespace(chunks=SimpleNamespace()))
+    simulate(engine, 10.0, 1.0, 0.0, mixed_ms=40.0)
+    request = Request.__new__(Request)  # only passed through: the launch reads no field
+    decode = [ScheduledChunk(request, 300, 1, True)] * 2
+    prompt = [ScheduledChunk(request, 0, 9, True)]
+
+    def cost_ms(chunks, decodes: int) -> float:
+        tokens = sum(c.num_tokens for c in chunks)
+        sched = SchedulerOutput(chunks, num_tokens=tokens, num_decodes=decodes)
+        time.sleep(0.2)  # the simulated GPU is idle again: the step starts now
+        t0 = time.perf_counter()
+        return (runner.launch(sched).ready_at - t0) * 1e3
+
+    assert cost_ms(decode, 2) == pytest.approx(10 + 2, abs=2)
+    assert cost_ms(decode + prompt, 2) == pytest.approx(10 + 11 + 40, abs=2)
+    assert cost_ms(prompt, 0) == pytest.approx(10 + 9 + 40, abs=2)
+
+
 def test_benchmark_config_overrides_parse_and_refuse_bad_items():
     """`--set FIELD=VALUE` of the benchmarks: typed values, and a clear exit otherwise."""
     from benchmarks.overrides import overrides
