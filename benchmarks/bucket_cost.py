@@ -170,7 +170,8 @@ def measure(
     then the same decodes through the mixed graph, then beside each prompt. `out`: called
     with each row's printed line as it is measured (a run cut by its time limit keeps what
     it printed). `shared`: positions of context every decode shares (load_batch).
-    `kernels`: filled with each shape's `kernel_times`, keyed "D+P graph"."""
+    `kernels`: filled with each shape's `kernel_times`, keyed "D+P graph" ("D+0 via mixed
+    graph" for the decode-only batch through the mixed graph)."""
     rows = []
     for d in decodes:
         shapes = [(0, False), (0, True)] + [(p, False) for p in sorted(set(prompts) - {0})]
@@ -182,7 +183,9 @@ def measure(
                 continue  # no graphs: the decode-only row already is this forward
             rows.append((d, p, sum(q_lens), graph, time_ms(fn, engine.device, iters)))
             if kernels is not None:
-                kernels[f"{d}+{p} {graph}"] = kernel_times(fn, engine.device, iters)
+                # "via mixed": the decode-only twin, which may replay the same graph
+                key = f"{d}+{p}{' via mixed' if mixed else ''} {graph}"
+                kernels[key] = kernel_times(fn, engine.device, iters)
             if out:
                 out(line(rows[-1], rows[_alone(rows, d)][4]))
     return rows

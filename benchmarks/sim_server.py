@@ -105,7 +105,7 @@ class SimulatedEvent:
 # `--engine-process`: the service spawns its engine process, which imports this module as
 # `__mp_main__` before it loads the engine; the simulation's parameters come through the
 # environment, and the engine it loads is made a simulated one there.
-SIM_ENV = "CLONECAST_SIM_ENGINE"  # "A,B,CODEC_MS,M"
+SIM_ENV = "CLONECAST_SIM_ENGINE"  # sim_env()
 
 
 def _simulate_loaded_engines(a: float, b: float, codec_ms: float, mixed_ms: float) -> None:
@@ -124,8 +124,26 @@ def _simulate_loaded_engines(a: float, b: float, codec_ms: float, mixed_ms: floa
     host.Engine = type("SimulatedEngine", (Engine,), {"from_pretrained": load_simulated})
 
 
+def sim_env(a: float, b: float, codec_ms: float, mixed_ms: float) -> str:
+    """The simulation's parameters as the engine process reads them (`read_sim_env`)."""
+    return f"{a},{b},{codec_ms},{mixed_ms}"
+
+
+def read_sim_env(text: str) -> tuple[float, float, float, float]:
+    a, b, codec_ms, mixed_ms = (float(x) for x in text.split(","))
+    return a, b, codec_ms, mixed_ms
+
+
 if __name__ == "__mp_main__" and os.environ.get(SIM_ENV):
-    _simulate_loaded_engines(*(float(x) for x in os.environ[SIM_ENV].split(",")))
+    _simulate_loaded_engines(*read_sim_env(os.environ[SIM_ENV]))
+
+
+def parse_step_ms(text: str) -> tuple[float, float, float]:
+    """`--step-ms` "A+B" or "A+B+M" -> (A, B, M); M is 0 when left out."""
+    parts = [float(x) for x in text.split("+")]
+    if len(parts) not in (2, 3):
+        raise ValueError(f"--step-ms {text!r}: A+B or A+B+M")
+    return parts[0], parts[1], parts[2] if len(parts) == 3 else 0.0
 
 
 def main() -> None:
@@ -149,11 +167,14 @@ def main() -> None:
         help="the engine in its own process, as served on a GPU (default: a server thread)",
     )
     args = ap.parse_args()
-    a, b, m = (float(x) for x in (args.step_ms.split("+") + ["0"])[:3])
+    try:
+        a, b, m = parse_step_ms(args.step_ms)
+    except ValueError as exc:
+        ap.error(str(exc))
     settings = ServiceSettings.from_env(port=args.port, max_num_seqs=args.max_num_seqs)
     engine = None  # --engine-process: the service loads it in its own process
     if args.engine_process:
-        os.environ[SIM_ENV] = f"{a},{b},{args.codec_ms},{m}"  # read by the spawned engine process
+        os.environ[SIM_ENV] = sim_env(a, b, args.codec_ms, m)  # read by the spawned engine process
         settings = dataclasses.replace(settings, engine_process=True)
     else:
         config = EngineConfig(

@@ -154,7 +154,8 @@ class Scheduler:
     def _running_chunk(request: Request, budget: int) -> int:
         """Positions a running request computes next (0: skip it; its last row is in
         flight and it finishes when that row is read). `_schedule_running` spells this and
-        `_blocks_short` out; tests/engine/test_scheduler.py holds the two to agree."""
+        `_blocks_short` out; tests/engine/test_scheduler.py holds this dry run to foresee
+        exactly the steps that the schedule preempts."""
         rows = len(request.output_rows) + request.num_inflight
         if rows >= request.params.max_rows:
             return 0
