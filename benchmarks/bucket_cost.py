@@ -263,9 +263,9 @@ def main() -> None:
     measure(engine, decodes, prompts, args.context, args.iters, out, shared, kernels)
     if kernels:
         shapes, times = list(kernels), list(kernels.values())
-        Path(args.kernels).write_text(kernel_table(shapes, times) + "\n")
         print(f"\nkernels per shape (whole table: {args.kernels})")
-        print(kernel_table(shapes, times, top=25))
+        print(kernel_table(shapes, times, top=25), flush=True)  # kept if the file fails
+        Path(args.kernels).write_text(kernel_table(shapes, times) + "\n")
 
 
 if __name__ == "__main__":

@@ -134,16 +134,16 @@ def read_sim_env(text: str) -> tuple[float, float, float, float]:
     return a, b, codec_ms, mixed_ms
 
 
-if __name__ == "__mp_main__" and os.environ.get(SIM_ENV):
-    _simulate_loaded_engines(*read_sim_env(os.environ[SIM_ENV]))
-
-
 def parse_step_ms(text: str) -> tuple[float, float, float]:
     """`--step-ms` "A+B" or "A+B+M" -> (A, B, M); M is 0 when left out."""
     parts = [float(x) for x in text.split("+")]
     if len(parts) not in (2, 3):
         raise ValueError(f"--step-ms {text!r}: A+B or A+B+M")
     return parts[0], parts[1], parts[2] if len(parts) == 3 else 0.0
+
+
+if __name__ == "__mp_main__" and os.environ.get(SIM_ENV):
+    _simulate_loaded_engines(*read_sim_env(os.environ[SIM_ENV]))
 
 
 def main() -> None:

@@ -195,7 +195,7 @@ class Scheduler:
         # `_blocks_short` spelled out, with no call per request but the chunk's construction.
         running, chunks, blocks = self.running, out.chunks, self.blocks
         bs = blocks.block_size
-        i = decodes = 0
+        i = 0
         while i < len(running) and budget > 0:
             request = running[i]
             rows = len(request.output_rows) + request.num_inflight
@@ -217,14 +217,12 @@ class Scheduler:
                     self._preempt(victim)
                     out.preempted.append(victim)
                     if victim is request:
-                        out.num_decodes = decodes
                         return budget
                 request.block_ids += blocks.allocate(need)
             chunks.append(ScheduledChunk(request, start, n, start + n == last))
-            decodes += n == 1 and start >= request.prompt_len
+            out.num_decodes += n == 1 and start >= request.prompt_len
             budget -= n
             i += 1
-        out.num_decodes = decodes
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
