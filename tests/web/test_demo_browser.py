@@ -296,9 +296,12 @@ def test_another_output_rate_is_resampled_by_the_server_and_played_at_it(page, t
 
 
 def test_in_chromium_a_refused_ping_rejects_alone_and_the_socket_stays(page):
-    """The SDK as the page loads it, over Chromium's own WebSocket: 110 pings at once go over
+    """The SDK as the page loads it, over Chromium's own WebSocket: 180 pings at once go over
     the connection's burst of 100; the refused ones reject with rate_limited (matched by
-    request_id), every other one gets its pong, and the connection goes on."""
+    request_id), every other one gets its pong, and the connection goes on. (The bucket
+    refills 50 a second while the server reads the flood: with 110 pings a loaded CI machine
+    once read them slowly enough to refuse none. 180 stay under the 100 refusals that close
+    a connection.)"""
     got = page.evaluate(
         """async () => {
             const { connect, ClonecastError } = await import("/clonecast.js");
@@ -309,7 +312,7 @@ def test_in_chromium_a_refused_ping_rejects_alone_and_the_socket_stays(page):
                        (e) => (e instanceof ClonecastError ? e.code : String(e))),
                 new Promise((resolve) => setTimeout(() => resolve("unsettled"), 10000)),
             ]);
-            const results = await Promise.all(Array.from({ length: 110 }, () =>
+            const results = await Promise.all(Array.from({ length: 180 }, () =>
                 settled(client.ping())));
             await new Promise((resolve) => setTimeout(resolve, 500));  // the bucket refills
             const after = (await client.ping()).type;
@@ -318,5 +321,5 @@ def test_in_chromium_a_refused_ping_rejects_alone_and_the_socket_stays(page):
         }"""
     )
     refused = [r for r in got["results"] if r != "pong"]
-    assert 1 <= len(refused) <= 10 and set(refused) == {"rate_limited"}, got["results"]
+    assert 1 <= len(refused) <= 80 and set(refused) == {"rate_limited"}, got["results"]
     assert got["after"] == "pong"
